@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install demo test compile clean
+
+# The constraints file pins torch to the CPU wheel (no multi-GB CUDA download).
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is required, found " + sys.version'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip check
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install  ## the whole pipeline locally; pass overrides with ARGS="--section.key=value ..."
+	$(PY) -m pipelines run --config local $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+compile: install  ## KFP IR YAML of the pipeline
+	$(PY) -m pipelines compile --config local -o build/pipeline.yaml $(ARGS)
+
+clean:
+	rm -rf work build .pytest_cache

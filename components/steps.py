@@ -1,0 +1,201 @@
+"""The pipeline's steps as plain functions: what each KFP component runs, callable without KFP.
+
+Each step resolves the run's configuration from the same three inputs (the config YAML, the override
+list and KFP's job id), does its work, logs a nested MLflow run under the pipeline's parent run, and
+writes its result to ``<run_dir>/steps/<step>.json`` (or ``<step>.error.json`` when it fails), where the
+exit handler picks everything up for ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import subprocess
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+from components import tracking
+from trainer.config import Config, config_from_yaml_text
+
+log = logging.getLogger(__name__)
+
+STEPS_DIR = "steps"
+SUMMARY = "summary.json"
+
+
+def resolve_config(config_yaml: str, overrides: list[str], kfp_job_id: str = "") -> Config:
+    """The run's Config; run.run_id falls back to KFP's job id, so every step agrees on it."""
+    overrides = list(overrides or [])
+    cfg = config_from_yaml_text(config_yaml, overrides)
+    if not cfg.run.run_id:
+        if not kfp_job_id:
+            raise ValueError("run.run_id: empty and no KFP job id to fall back on; pass --run.run_id=NAME")
+        cfg = config_from_yaml_text(config_yaml, [*overrides, f"run.run_id={kfp_job_id.lower()}"])
+    return cfg
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+def read_step_result(cfg: Config, step: str) -> dict[str, Any] | None:
+    path = cfg.run_dir / STEPS_DIR / f"{step}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+@contextlib.contextmanager
+def _step(cfg: Config, name: str) -> Iterator[tuple[Any, str]]:
+    """Nested MLflow run + error record for one step."""
+    steps_dir = cfg.run_dir / STEPS_DIR
+    (steps_dir / f"{name}.error.json").unlink(missing_ok=True)  # a retried step starts clean
+    try:
+        with tracking.step_run(cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id, name) as (client, run_id):
+            yield client, run_id
+    except BaseException as err:
+        _write_json(steps_dir / f"{name}.error.json",
+                    {"step": name, "error_type": type(err).__name__, "message": str(err),
+                     "traceback": traceback.format_exc()})
+        raise
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def prepare_step(cfg: Config) -> dict[str, Any]:
+    """Create the run folder and the MLflow parent run (found again, not duplicated, on a retry)."""
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
+    artifact_location = cfg.mlflow.artifact_location
+    if not artifact_location and cfg.tracking_uri.startswith("sqlite:"):
+        artifact_location = (cfg.work_dir / "mlartifacts").as_uri()
+    parent = tracking.start_parent_run(
+        cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id, artifact_location=artifact_location,
+        params=tracking.flatten(cfg.to_dict()),
+        tags={"trigger": cfg.run.trigger, "config_hash": cfg.config_hash(), "git_commit": _git_commit(),
+              "run_dir": str(cfg.run_dir)})
+    result = {"mlflow_tracking_uri": cfg.tracking_uri, "mlflow_parent_run_id": parent, "run_dir": str(cfg.run_dir),
+              "started_at": time.time()}
+    _write_json(cfg.run_dir / STEPS_DIR / "prepare.json", result)
+    log.info("run %s: folder %s, MLflow parent run %s", cfg.run.run_id, cfg.run_dir, parent)
+    return result
+
+
+def stage_step(cfg: Config) -> dict[str, Any]:
+    from components.stage import stage_s3_to_local
+
+    with _step(cfg, "stage") as (client, run_id):
+        manifest = stage_s3_to_local(cfg.data.s3_uri, cfg.dataset_dir, endpoint_url=cfg.data.s3_endpoint_url,
+                                     max_workers=cfg.data.max_workers, val_fraction=cfg.data.val_fraction)
+        splits = manifest["tokens"]["splits"]
+        tracking.log_metric_records(client, run_id, [{
+            "step": 0, "objects": manifest["object_count"], "bytes": manifest["bytes"],
+            "downloaded_objects": manifest["downloaded"], "stage_seconds": manifest["stage_seconds"],
+            "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"]}])
+        client.set_tag(run_id, "dataset_content_hash", manifest["tokens"]["content_hash"])
+        client.log_artifact(run_id, str(cfg.dataset_dir / "stage-manifest.json"))
+        result = {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "objects": manifest["object_count"],
+                  "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
+                  "content_hash": manifest["tokens"]["content_hash"], "train_tokens": splits["train"]["tokens"],
+                  "val_tokens": splits["val"]["tokens"]}
+        _write_json(cfg.run_dir / STEPS_DIR / "stage.json", result)
+    return result
+
+
+def train_step(cfg: Config, data_dir: str) -> dict[str, Any]:
+    from components.train import read_metrics, run_local_training
+
+    with _step(cfg, "train") as (client, run_id):
+        result = run_local_training(cfg, Path(data_dir))
+        records = read_metrics(Path(result["metrics_file"]))
+        tracking.log_metric_records(client, run_id, records)
+        client.log_artifact(run_id, str(cfg.run_dir / "train.log"))
+        if result.get("checkpoint") is None:
+            raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
+        _write_json(cfg.run_dir / STEPS_DIR / "train.json", result)
+    return result
+
+
+def validate_step(cfg: Config, checkpoint: str) -> dict[str, Any]:
+    from components.validate import validate_checkpoint
+
+    with _step(cfg, "validate") as (client, run_id):
+        report = validate_checkpoint(Path(checkpoint))
+        tracking.log_metric_records(client, run_id, [{
+            "step": report["step"], "checkpoint_bytes": report["bytes"], "checkpoint_files": report["files"],
+            "load_seconds": report["load_seconds"], "checks_passed": report["num_checks"]}])
+        _write_json(cfg.run_dir / STEPS_DIR / "validate.json", report)
+    return report
+
+
+def evaluate_step(cfg: Config, checkpoint: str, data_dir: str) -> dict[str, Any]:
+    from components.evaluate import evaluate_checkpoint
+
+    with _step(cfg, "evaluate") as (client, run_id):
+        result = evaluate_checkpoint(Path(checkpoint), Path(data_dir), seq_len=cfg.training.seq_len,
+                                     batch_size=cfg.eval.batch_size, max_batches=cfg.eval.max_batches)
+        tracking.log_metric_records(client, run_id, [{
+            "step": result["step"], "heldout_loss": result["heldout_loss"], "perplexity": result["perplexity"],
+            "eval_tokens_per_second": result["eval_tokens_per_second"]}])
+        _write_json(cfg.run_dir / STEPS_DIR / "evaluate.json", result)
+    return result
+
+
+def recovery_events(cfg: Config) -> list[dict[str, Any]]:
+    """Recovery events the trainer recorded (events.jsonl), oldest first."""
+    path = cfg.run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
+    """Exit handler: compose summary.json from the step results and close the MLflow parent run."""
+    steps = {name: read_step_result(cfg, name) for name in ("prepare", "stage", "train", "validate", "evaluate")}
+    errors = []
+    for path in sorted((cfg.run_dir / STEPS_DIR).glob("*.error.json")):
+        error = json.loads(path.read_text())
+        errors.append({"step": error["step"], "error_type": error["error_type"], "message": error["message"]})
+    train, evaluate = steps["train"] or {}, steps["evaluate"] or {}
+    succeeded = pipeline_state == "SUCCEEDED" and not errors
+    parent = tracking.find_parent_run(cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id)
+    summary = {
+        "status": "succeeded" if succeeded else "failed",
+        "pipeline_run_id": cfg.run.run_id,
+        "mlflow_tracking_uri": cfg.tracking_uri,
+        "mlflow_experiment": cfg.run.experiment,
+        "mlflow_parent_run_id": parent.info.run_id if parent else None,
+        "run_dir": str(cfg.run_dir),
+        "checkpoint_dir": str(cfg.checkpoint_dir),
+        "checkpoint": (steps["validate"] or {}).get("checkpoint") or train.get("checkpoint"),
+        "steps_trained": train.get("steps"),
+        "final_train_loss": train.get("final_loss"),
+        "heldout_loss": evaluate.get("heldout_loss"),
+        "heldout_perplexity": evaluate.get("perplexity"),
+        "recovery_events": recovery_events(cfg),
+        "errors": errors,
+        "steps": steps,
+        "finished_at": time.time(),
+    }
+    path = _write_json(cfg.run_dir / SUMMARY, summary)
+    if parent is not None:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(cfg.tracking_uri)
+        metrics = {k: summary[k] for k in ("steps_trained", "final_train_loss", "heldout_loss") if summary[k] is not None}
+        if metrics:
+            tracking.log_metric_records(client, parent.info.run_id, [{"step": summary["steps_trained"] or 0, **metrics}])
+        client.log_artifact(parent.info.run_id, str(path))
+        client.set_terminated(parent.info.run_id, status="FINISHED" if succeeded else "FAILED")
+    return summary

@@ -1,0 +1,101 @@
+"""The embedded local stack: an S3-compatible server on loopback and the environment that points boto3 at it.
+
+Started and stopped by PID, never by process name, so it cannot touch anything else on the machine. boto3
+code stays unchanged: it finds the server through the standard ``AWS_ENDPOINT_URL_S3`` setting.
+MLflow needs no server locally (a sqlite store), and the FSx mount is a plain folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# moto accepts any credentials; fixed ones keep the user's real keys away from the local server.
+_LOCAL_AWS_ENV = {"AWS_ACCESS_KEY_ID": "local-testing", "AWS_SECRET_ACCESS_KEY": "local-testing",
+                  "AWS_SESSION_TOKEN": "", "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1"}
+
+
+class LocalStackError(RuntimeError):
+    """A local service failed to start; the message names it and its log file."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen, timeout: float, name: str, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LocalStackError(f"{name} exited with code {proc.returncode} while starting; see {log_path}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise LocalStackError(f"{name} did not listen on 127.0.0.1:{port} within {timeout:.0f} s; see {log_path}")
+
+
+class S3Server:
+    """moto's S3-compatible server on 127.0.0.1 on a free port, as a child process."""
+
+    def __init__(self, log_dir: Path, startup_timeout: float = 60.0):
+        self.log_path = Path(log_dir) / "s3-server.log"
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+        self._saved_env: dict[str, str | None] = {}
+
+    @property
+    def endpoint_url(self) -> str:
+        assert self.port is not None, "server not started"
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "S3Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        with self.log_path.open("ab") as log_file:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            _wait_for_port(self.port, self.proc, self.startup_timeout, "the S3 server (moto)", self.log_path)
+        except LocalStackError:
+            self.stop()
+            raise
+        env = {**_LOCAL_AWS_ENV, "AWS_ENDPOINT_URL_S3": self.endpoint_url}
+        self._saved_env = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        log.info("S3 server (moto) pid %d at %s; log %s", self.proc.pid, self.endpoint_url, self.log_path)
+        return self
+
+    def stop(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        log.info("S3 server (moto) pid %d stopped", self.proc.pid)
+
+    def __enter__(self) -> "S3Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

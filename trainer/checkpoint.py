@@ -1,0 +1,239 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP) and a commit protocol.
+
+Layout of one checkpoint directory::
+
+    <dir>/step-000100.tmp/   while being written (never read)
+    <dir>/step-000100/       committed: DCP shards + .metadata + manifest.json
+
+Commit: every rank writes its shards into ``step-N.tmp``; after a barrier rank 0 writes ``manifest.json``
+(every file with size and sha256, the step, world size, model config, config hash, library versions)
+and renames the folder to ``step-N``. A checkpoint counts only when its manifest verifies, so a crash at
+any point leaves either the previous checkpoints or a complete new one — never a half-written "latest".
+DCP itself has no checksums and reads non-tensor items with pickle, which is why nothing is loaded from a
+folder whose manifest did not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the folder and file."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {}
+    for package in ("torch", "transformers", "nvidia-resiliency-ext", "resilient-train"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "absent"
+    return versions
+
+
+def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[str, Any]:
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    manifest = {"manifest_version": MANIFEST_VERSION, "step": step, "created_at": time.time(),
+                "libraries": library_versions(), **metadata, "files": files}
+    tmp = folder / (MANIFEST + ".tmp")
+    with tmp.open("w") as handle:
+        json.dump(manifest, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    tmp.replace(folder / MANIFEST)
+    return manifest
+
+
+@dataclass
+class Verification:
+    """Outcome of checking one checkpoint folder against its manifest."""
+
+    path: Path
+    problems: list[str]
+    manifest: dict[str, Any] | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(folder: Path) -> Verification:
+    """Check that every file the manifest lists exists with its size and sha256, and nothing is missing."""
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not folder.is_dir():
+        return Verification(folder, [f"{folder}: checkpoint folder does not exist"], None)
+    if not manifest_path.is_file():
+        return Verification(folder, [f"{manifest_path}: manifest missing (checkpoint never committed)"], None)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        listed = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        return Verification(folder, [f"{manifest_path}: unreadable manifest ({err})"], None)
+    problems = []
+    if ".metadata" not in listed:
+        problems.append(f"{manifest_path}: lists no DCP .metadata file")
+    for name, expected in listed.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path}: listed in the manifest but missing")
+            continue
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            problems.append(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated or overwritten)")
+        elif sha256_file(path) != expected["sha256"]:
+            problems.append(f"{path}: sha256 differs from the manifest (corrupted)")
+    return Verification(folder, problems, manifest)
+
+
+def committed_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed-looking folder, oldest first; not yet verified."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_valid_checkpoint(directory: Path) -> Verification | None:
+    """The newest checkpoint whose manifest verifies; broken newer ones are logged and skipped."""
+    for step, folder in reversed(committed_checkpoints(directory)):
+        result = verify_checkpoint(folder)
+        if result.ok:
+            return result
+        log.warning("skipping checkpoint %s (step %d): %s", folder, step, "; ".join(result.problems))
+    return None
+
+
+class CheckpointManager:
+    """Saves and loads the training state; collective calls must be made on every rank."""
+
+    def __init__(self, directory: Path, keep_last: int, rank: int, metadata: dict[str, Any]):
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.rank = rank
+        self.metadata = metadata
+        self.last_saved_step: int | None = None
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Write and commit step-N; returns the committed folder."""
+        import torch.distributed.checkpoint as dcp
+
+        final = self.directory / step_dir_name(step)
+        staging = final.with_name(final.name + ".tmp")
+        started = time.perf_counter()
+        if self.rank == 0:
+            if staging.exists():  # left over from a crash mid-save: never committed, safe to drop
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        self._barrier()
+        dcp.save(state, checkpoint_id=str(staging))
+        self._barrier()
+        if self.rank == 0:
+            manifest = write_manifest(staging, step, self.metadata)
+            replaced = None
+            if final.exists():  # e.g. a step-N that failed verification and was replayed: move it aside first
+                replaced = final.with_name(f"{final.name}.replaced-{int(time.time())}")
+                final.rename(replaced)
+            staging.rename(final)
+            _fsync_dir(self.directory)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
+            self._apply_retention()
+            size = sum(f["bytes"] for f in manifest["files"].values())
+            log.info("checkpoint step %d committed to %s (%.1f MB, %.2f s)", step, final, size / 1e6,
+                     time.perf_counter() - started)
+        self._barrier()
+        self.last_saved_step = step
+        return final
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Load the newest valid checkpoint into state in place; returns its step, or None if there is none."""
+        import torch.distributed.checkpoint as dcp
+
+        found = latest_valid_checkpoint(self.directory)
+        if found is None:
+            return None
+        dcp.load(state, checkpoint_id=str(found.path))
+        log.info("resumed from %s", found.path)
+        self.last_saved_step = int(found.manifest["step"])
+        return self.last_saved_step
+
+    def _apply_retention(self) -> None:
+        committed = committed_checkpoints(self.directory)
+        for _, folder in committed[: max(0, len(committed) - self.keep_last)]:
+            log.info("retention: deleting %s", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_model_from_checkpoint(folder: Path, verified: Verification | None = None):
+    """An unsharded LlamaForCausalLM with the checkpoint's weights, in this one process.
+
+    Works for any world size the checkpoint was written with (DCP reshards on load). The manifest is
+    verified first unless a passing Verification is given: DCP metadata is only read from verified folders.
+    """
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig
+
+    from trainer.model import build_model
+
+    verified = verified or verify_checkpoint(folder)
+    if not verified.ok:
+        raise CheckpointError("; ".join(verified.problems))
+    config = LlamaConfig.from_dict(verified.manifest["model_config"])
+    model = build_model(config, seed=0)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(folder))
+    model.load_state_dict(state["model"])
+    model.eval()
+    return model, verified.manifest

@@ -1,0 +1,469 @@
+"""The one configuration tree of resilient-train.
+
+Every section is a dataclass; every field has a docstring right under it and is checked in
+``__post_init__``. A run's configuration is loaded from YAML and then adjusted with
+``--section.key=value`` overrides (the same syntax on the CLI, in ``make demo ARGS=…`` and in the KFP
+pipeline's ``overrides`` parameter), so defaults live here and nowhere else.
+
+    cfg = load_config("local", ["--training.num_steps=50"])
+    cfg.training.num_steps  # 50
+
+This module imports neither torch nor KFP: the CLI, the components and the trainer all use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "pipelines" / "configs"
+
+_RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A user mistake in a configuration file or override; the message names the field."""
+
+
+def _require(condition: bool, name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{name}: {message}")
+
+
+@dataclass
+class RunConfig:
+    """Identity and bookkeeping of one pipeline run."""
+
+    experiment: str = "resilient-train"
+    """MLflow experiment that receives the parent run and its nested step runs."""
+
+    run_id: str = ""
+    """Run identifier (lowercase letters, digits, '-'); empty means one is generated at start."""
+
+    work_dir: str = "work"
+    """Local working directory: the MLflow store and (unless data.fsx_root is set) the FSx stand-in."""
+
+    trigger: Literal["manual", "schedule", "ci"] = "manual"
+    """What started the run; recorded as an MLflow tag so runs can be compared by origin."""
+
+    seed: int = 1234
+    """Seed for model initialisation and data order; the same seed reproduces the same losses on CPU."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.experiment.strip()), "run.experiment", "must not be empty")
+        _require(
+            self.run_id == "" or bool(_RUN_ID_PATTERN.match(self.run_id)),
+            "run.run_id",
+            f"{self.run_id!r} must be 1-63 lowercase letters, digits or '-', starting with a letter or digit",
+        )
+        _require(bool(self.work_dir), "run.work_dir", "must not be empty")
+        _require(self.seed >= 0, "run.seed", "must be >= 0")
+
+
+@dataclass
+class DataConfig:
+    """Where the training data comes from (S3) and where the trainer reads it (the FSx mount)."""
+
+    s3_uri: str = "s3://resilient-train-data/datasets/demo"
+    """S3 prefix holding the raw text (*.txt, *.jsonl with a "text" field) to stage, as s3://bucket/prefix."""
+
+    fsx_root: str = ""
+    """FSx for Lustre mount path (a local directory locally); empty means <run.work_dir>/fsx."""
+
+    dataset_name: str = "demo"
+    """Folder under <fsx_root>/datasets that receives the staged files and token shards."""
+
+    s3_endpoint_url: str = ""
+    """S3 endpoint override (e.g. an S3-compatible server); empty uses boto3's standard resolution
+    (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, then AWS)."""
+
+    val_fraction: float = 0.05
+    """Fraction of the documents held out for evaluation (chosen deterministically by document hash)."""
+
+    max_workers: int = 8
+    """Parallel S3 downloads during staging."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.s3_uri.startswith("s3://") and len(self.s3_uri) > len("s3://"),
+            "data.s3_uri",
+            f"{self.s3_uri!r} must look like s3://bucket/prefix",
+        )
+        _require(
+            bool(re.match(r"^[A-Za-z0-9._-]+$", self.dataset_name)),
+            "data.dataset_name",
+            f"{self.dataset_name!r} must be a plain folder name (letters, digits, '.', '_', '-')",
+        )
+        _require(0.0 < self.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
+        _require(self.max_workers >= 1, "data.max_workers", "must be >= 1")
+
+    @property
+    def bucket(self) -> str:
+        return self.s3_uri[len("s3://") :].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        parts = self.s3_uri[len("s3://") :].split("/", 1)
+        return parts[1].strip("/") if len(parts) > 1 else ""
+
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # A few M params: the CPU demo and the tests.
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=512, rope_theta=10000.0,
+                 tie_word_embeddings=False),
+    # ~100 M params with the byte vocabulary: CPU benchmarks.
+    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=4, max_position_embeddings=2048, rope_theta=500000.0,
+                  tie_word_embeddings=False),
+    # Llama-3.2-1B's shape.
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                      tie_word_embeddings=True),
+    # Llama-3.1-8B's shape.
+    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                        tie_word_embeddings=False),
+}
+
+
+@dataclass
+class ModelConfig:
+    """The Llama-architecture model."""
+
+    preset: Literal["tiny", "small", "llama3-1b", "llama3.1-8b"] = "tiny"
+    """Architecture preset (layer count and widths); see MODEL_PRESETS."""
+
+    vocab_size: int = 0
+    """Vocabulary size; 0 means the tokenizer's (the built-in byte tokenizer has 258)."""
+
+    def __post_init__(self) -> None:
+        _require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {sorted(MODEL_PRESETS)}")
+        _require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0")
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation loop and how it is launched."""
+
+    num_steps: int = 300
+    """Optimizer steps to train in total."""
+
+    batch_size: int = 8
+    """Sequences per rank per micro-batch."""
+
+    seq_len: int = 128
+    """Tokens per sequence."""
+
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+
+    min_lr_ratio: float = 0.1
+    """Learning rate at the end of the cosine decay, as a fraction of lr."""
+
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+
+    grad_clip: float = 1.0
+    """Maximum global gradient norm; 0 disables clipping."""
+
+    nproc_per_node: int = 2
+    """Training processes per node (GPUs per node on EKS; CPU ranks locally)."""
+
+    num_nodes: int = 1
+    """Nodes in the training job (1 locally)."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto picks nccl when CUDA is available, else gloo."""
+
+    num_threads: int = 1
+    """intra-op CPU threads per rank (CPU only); ranks x threads should not exceed the cores."""
+
+    log_every: int = 10
+    """Log a training-progress line every this many steps (metrics are recorded every step)."""
+
+    timeout_seconds: int = 3600
+    """Wall-clock limit for the whole training launch; the step fails when it is exceeded."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "batch_size", "seq_len", "grad_accum_steps", "nproc_per_node", "num_nodes",
+                     "num_threads", "log_every", "timeout_seconds"):
+            _require(getattr(self, name) >= 1, f"training.{name}", "must be >= 1")
+        _require(self.lr > 0, "training.lr", "must be > 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", "must be in [0, 1]")
+        _require(0 <= self.warmup_steps < self.num_steps, "training.warmup_steps",
+                 f"must be in [0, training.num_steps={self.num_steps})")
+        _require(self.weight_decay >= 0, "training.weight_decay", "must be >= 0")
+        _require(self.grad_clip >= 0, "training.grad_clip", "must be >= 0 (0 disables clipping)")
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded DCP checkpoints on the FSx mount."""
+
+    dir: str = ""
+    """Checkpoint folder; empty means <data.fsx_root>/runs/<run.run_id>/checkpoints."""
+
+    interval_steps: int = 100
+    """Save every this many steps (the last step is always saved)."""
+
+    keep_last: int = 2
+    """Committed checkpoints to keep; older ones are deleted after a newer one commits."""
+
+    resume: bool = True
+    """Resume from the newest committed checkpoint in `dir` when one exists."""
+
+    def __post_init__(self) -> None:
+        _require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of the validated checkpoint."""
+
+    batch_size: int = 8
+    """Sequences per evaluation batch."""
+
+    max_batches: int = 20
+    """Upper bound on evaluation batches (the held-out split may be smaller)."""
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+        _require(self.max_batches >= 1, "eval.max_batches", "must be >= 1")
+
+
+@dataclass
+class MlflowConfig:
+    """Experiment tracking."""
+
+    tracking_uri: str = ""
+    """MLflow tracking URI; empty means a sqlite store at <run.work_dir>/mlflow.db."""
+
+    artifact_location: str = ""
+    """Artifact root for a newly created experiment; empty means <run.work_dir>/mlartifacts
+    when the store is local, the server's default otherwise."""
+
+
+@dataclass
+class LocalConfig:
+    """The embedded local stack used when the pipeline runs on one machine."""
+
+    s3_server: bool = True
+    """Start an S3-compatible server (moto) on 127.0.0.1 for the run and point boto3 at it."""
+
+    upload_demo_data: bool = True
+    """Generate the demo corpus and upload it to data.s3_uri before the pipeline starts."""
+
+    demo_documents: int = 2000
+    """Documents in the generated demo corpus."""
+
+    def __post_init__(self) -> None:
+        _require(self.demo_documents >= 10, "local.demo_documents", "must be >= 10")
+
+
+@dataclass
+class Config:
+    """A whole run: one section per concern."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    local: LocalConfig = field(default_factory=LocalConfig)
+
+    # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
+    @property
+    def work_dir(self) -> Path:
+        return Path(self.run.work_dir).expanduser().resolve()
+
+    @property
+    def fsx_root(self) -> Path:
+        return Path(self.data.fsx_root).expanduser().resolve() if self.data.fsx_root else self.work_dir / "fsx"
+
+    @property
+    def dataset_dir(self) -> Path:
+        return self.fsx_root / "datasets" / self.data.dataset_name
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's folder on the shared file system: config, step results, logs, metrics,
+        checkpoints (by default) and summary.json. On EKS every pod sees it through the FSx mount."""
+        assert self.run.run_id, "run.run_id must be set before run paths are used"
+        return self.fsx_root / "runs" / self.run.run_id
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        if self.checkpoint.dir:
+            return Path(self.checkpoint.dir).expanduser().resolve()
+        return self.run_dir / "checkpoints"
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.work_dir / 'mlflow.db'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def config_hash(self) -> str:
+        """Hash of everything that shapes training (not run identity or local plumbing)."""
+        shaping = {k: v for k, v in self.to_dict().items() if k in ("data", "model", "training")}
+        shaping["data"] = {k: v for k, v in shaping["data"].items() if k not in ("fsx_root", "s3_endpoint_url")}
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading: YAML + overrides, with errors that name the field.
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _coerce(name: str, annotation: Any, value: Any) -> Any:
+    """Convert a YAML value or an override string to the field's type, or raise naming the field."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"unsupported annotation for {name}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported annotation {annotation!r} for {name}")
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
+    return ConfigError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid)}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested plain data (parsed YAML)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"configuration must be a mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+    built: dict[str, Any] = {}
+    for section_name, values in raw.items():
+        if section_name not in sections:
+            raise _unknown("section", section_name, list(sections))
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section_name}: expected a mapping of keys, got {values!r}")
+        section_cls = sections[section_name]
+        types_ = _field_types(section_cls)
+        kwargs = {}
+        for key, value in values.items():
+            full = f"{section_name}.{key}"
+            if key not in types_:
+                raise _unknown("key", full, [f"{section_name}.{k}" for k in types_])
+            kwargs[key] = _coerce(full, types_[key], value)
+        built[section_name] = section_cls(**kwargs)
+    return Config(**built)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, str]]:
+    """Turn ['--training.num_steps=5', 'run.seed=1'] into {'training': {'num_steps': '5'}, ...}."""
+    nested: dict[str, dict[str, str]] = {}
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        key, sep, value = text.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def resolve_config_path(config: str | Path) -> Path:
+    """A path to a YAML file, or the name of a bundled config (e.g. 'local' for configs/local.yaml)."""
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path
+    bundled = CONFIG_DIR / f"{config}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file {str(config)!r} not found; pass a YAML path or one of: {', '.join(names)}")
+
+
+def load_config(config: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML config (path or bundled name; None for defaults) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if config is not None:
+        path = resolve_config_path(config)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return merge_overrides(raw, overrides)
+
+
+def merge_overrides(raw: dict[str, Any], overrides: list[str]) -> Config:
+    merged = {section: dict(values or {}) for section, values in raw.items()}
+    for section, values in parse_overrides(list(overrides)).items():
+        merged.setdefault(section, {}).update(values)
+    return config_from_dict(merged)
+
+
+def config_from_yaml_text(text: str, overrides: list[str] = ()) -> Config:
+    raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError("configuration YAML must be a mapping of sections")
+    return merge_overrides(raw, overrides)

@@ -1,0 +1,159 @@
+"""Token data: a byte-level tokenizer, token shards on disk, and deterministic per-rank batches.
+
+Shards are flat arrays of token ids (``train.bin`` / ``val.bin``, uint16) described by ``tokens.json``.
+A batch is a function of (seed, step, micro-step, rank) only, so resuming at step k needs no saved
+iterator state and replays exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHARD_FORMAT_VERSION = 1
+META_FILE = "tokens.json"
+
+
+class DataError(RuntimeError):
+    """Token data missing, malformed or too small for the requested batches."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, plus BOS and EOS. Needs no files, so the demo runs anywhere."""
+
+    name = "byte"
+    bos_id = 256
+    eos_id = 257
+    vocab_size = 258
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_id, *text.encode("utf-8"), self.eos_id]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def is_held_out(document: str, val_fraction: float) -> bool:
+    """Deterministic split by content: the same document always lands on the same side."""
+    digest = hashlib.sha256(document.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def read_documents(files: list[Path]) -> Iterable[str]:
+    """Documents from .txt (blank-line separated) and .jsonl (a "text" field per line) files."""
+    for path in sorted(files):
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                for line_number, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (json.JSONDecodeError, KeyError, TypeError) as err:
+                        raise DataError(f"{path}:{line_number}: expected a JSON object with a 'text' field") from err
+                    yield text
+        elif path.suffix == ".txt":
+            for block in path.read_text(encoding="utf-8").split("\n\n"):
+                if block.strip():
+                    yield block.strip()
+
+
+def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float) -> dict:
+    """Tokenize raw text files into train/val shards in out_dir; reuses them when the inputs are unchanged.
+
+    The cache key is a hash of the input files' contents, the split and the tokenizer, so editing one
+    document re-tokenizes and touching nothing does not.
+    """
+    if not files:
+        raise DataError(f"no .txt or .jsonl files to tokenize for {out_dir}")
+    tokenizer = ByteTokenizer()
+    hasher = hashlib.sha256(f"v{SHARD_FORMAT_VERSION}:{tokenizer.name}:{val_fraction}".encode())
+    for path in sorted(files):
+        hasher.update(path.name.encode())
+        hasher.update(hashlib.sha256(path.read_bytes()).digest())
+    content_hash = hasher.hexdigest()
+
+    meta_path = out_dir / META_FILE
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("content_hash") == content_hash and all((out_dir / s["file"]).is_file()
+                                                            for s in meta["splits"].values()):
+            log.info("token shards in %s are up to date (content hash %s)", out_dir, content_hash[:12])
+            return meta
+
+    splits: dict[str, list[int]] = {"train": [], "val": []}
+    documents = {"train": 0, "val": 0}
+    for document in read_documents(files):
+        split = "val" if is_held_out(document, val_fraction) else "train"
+        splits[split].extend(tokenizer.encode(document))
+        documents[split] += 1
+    for split, tokens in splits.items():
+        if not tokens:
+            raise DataError(f"the {split} split is empty: add documents or change data.val_fraction")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+            "dtype": "uint16", "content_hash": content_hash, "val_fraction": val_fraction, "splits": {}}
+    for split, tokens in splits.items():
+        target = out_dir / f"{split}.bin"
+        tmp = target.with_suffix(".bin.tmp")
+        np.asarray(tokens, dtype=np.uint16).tofile(tmp)
+        tmp.replace(target)
+        meta["splits"][split] = {"file": target.name, "tokens": len(tokens), "documents": documents[split]}
+    tmp_meta = meta_path.with_suffix(".json.tmp")
+    tmp_meta.write_text(json.dumps(meta, indent=2))
+    tmp_meta.replace(meta_path)  # written last: its presence means the shards are complete
+    log.info("tokenized %d train / %d val documents into %s", documents["train"], documents["val"], out_dir)
+    return meta
+
+
+def load_meta(data_dir: Path) -> dict:
+    meta_path = Path(data_dir) / META_FILE
+    if not meta_path.is_file():
+        raise DataError(f"{meta_path} not found: stage the dataset first (the stage step writes it)")
+    return json.loads(meta_path.read_text())
+
+
+@dataclass
+class TokenBatches:
+    """Random fixed-length windows from one split, chosen by (seed, step, micro_step, rank)."""
+
+    tokens: np.ndarray
+    seq_len: int
+    batch_size: int
+    seed: int
+
+    @classmethod
+    def open(cls, data_dir: Path, split: str, seq_len: int, batch_size: int, seed: int) -> "TokenBatches":
+        meta = load_meta(data_dir)
+        if split not in meta["splits"]:
+            raise DataError(f"{data_dir}: no {split!r} split in {META_FILE}")
+        path = Path(data_dir) / meta["splits"][split]["file"]
+        tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        if len(tokens) < seq_len + 2:
+            raise DataError(f"{path} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
+        return cls(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed)
+
+    def batch(self, step: int, micro_step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, labels) of shape [batch_size, seq_len] as int64."""
+        rng = np.random.default_rng([self.seed, step, micro_step, rank])
+        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        windows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
+        return windows[:, :-1], windows[:, 1:]
+
+    def sequential(self, max_batches: int) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+        """Non-overlapping windows from the start, for evaluation (same batches every time)."""
+        span = self.seq_len + 1
+        count = min(max_batches * self.batch_size, len(self.tokens) // span)
+        for first in range(0, count, self.batch_size):
+            rows = range(first, min(first + self.batch_size, count))
+            windows = np.stack([np.asarray(self.tokens[r * span : (r + 1) * span], dtype=np.int64) for r in rows])
+            yield windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,252 @@
+"""FSDP2 training of a Llama-architecture model.
+
+Runbook (from the repository root, after the stage step has written token shards):
+
+    # 2 CPU ranks (gloo), the local config
+    torchrun --standalone --nproc-per-node 2 -m trainer --config local --data-dir work/fsx/datasets/demo
+
+    # one process, no launcher
+    python -m trainer --config local --data-dir work/fsx/datasets/demo --run.run_id=try1
+
+Any ``--section.key=value`` after the known flags overrides the config. Rank 0 writes
+``<run_dir>/metrics.jsonl`` (one line per step) and ``result.json`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trainer.checkpoint import CheckpointManager, step_dir_name
+from trainer.config import Config, load_config
+from trainer.data import ByteTokenizer, TokenBatches, load_meta
+from trainer.model import build_model, llama_config, shard_model
+
+log = logging.getLogger("trainer")
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at num_steps (step is 0-based)."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpointing of one training process."""
+
+    def __init__(self, cfg: Config, data_dir: Path):
+        self.cfg = cfg
+        self.data_dir = Path(data_dir)
+        self.step = 0  # optimizer steps completed
+        self.last_loss = float("nan")
+        self.init_distributed()
+        torch.manual_seed(cfg.run.seed)
+
+        meta = load_meta(self.data_dir)
+        if meta["tokenizer"] != ByteTokenizer.name:
+            raise ValueError(f"{self.data_dir}: tokenizer {meta['tokenizer']!r} is not supported by this trainer")
+        self.model_config = llama_config(cfg.model, vocab_size=meta["vocab_size"])
+        model = build_model(self.model_config, seed=cfg.run.seed).to(self.device)
+        self.model = shard_model(model, mixed_precision=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.training.lr,
+                                           weight_decay=cfg.training.weight_decay, betas=(0.9, 0.95))
+        self.batches = TokenBatches.open(self.data_dir, "train", cfg.training.seq_len, cfg.training.batch_size,
+                                         cfg.run.seed)
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last, rank=self.rank,
+            metadata={"world_size": self.world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
+                      "model_config": self.model_config.to_dict(), "data_content_hash": meta["content_hash"],
+                      "config": cfg.to_dict()},
+        )
+        self.metrics_path = cfg.run_dir / "metrics.jsonl"
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        backend = self.cfg.training.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" not in os.environ:  # plain `python -m trainer`: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            torch.set_num_threads(self.cfg.training.num_threads)
+            self.device = torch.device("cpu")
+        dist.init_process_group(backend=backend)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        root = logging.getLogger()
+        root.handlers[0].setFormatter(
+            logging.Formatter(f"%(asctime)s [rank {self.rank}] %(levelname)s %(name)s: %(message)s"))
+        if self.rank != 0:  # one voice for progress; warnings and errors still come from every rank
+            root.setLevel(logging.WARNING)
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        # A tensor, not an int: DCP stores non-tensor items with pickle.
+        return {"model": model_state, "optim": optim_state, "trainer": {"step": torch.tensor(self.step),
+                                                                 "last_loss": torch.tensor(self.last_loss)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(state["trainer"]["step"])
+        self.last_loss = float(state["trainer"]["last_loss"])
+
+    def maybe_resume(self) -> None:
+        if not self.cfg.checkpoint.resume:
+            return
+        state = self.state_dict()
+        if self.checkpointer.load_latest(state) is not None:
+            self.load_state_dict(state)
+            log.info("resuming at step %d", self.step)
+
+    # -- loop --------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.training
+        started = time.perf_counter()
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum_steps):
+            inputs, labels = self.batches.batch(self.step, micro, self.rank)
+            inputs = torch.from_numpy(inputs).to(self.device)
+            labels = torch.from_numpy(labels).to(self.device)
+            logits = self.model(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+            (loss / t.grad_accum_steps).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # note: a sync point; the loss is averaged over ranks only for reporting.
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG) if self.world_size > 1 else None
+        self.step += 1
+        self.last_loss = loss_sum.item() / t.grad_accum_steps
+        seconds = time.perf_counter() - started
+        tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
+        return {"step": self.step, "loss": self.last_loss, "lr": lr,
+                "grad_norm": float(grad_norm), "step_seconds": seconds, "tokens_per_second": tokens / seconds}
+
+    def should_continue_training(self) -> bool:
+        return self.step < self.cfg.training.num_steps
+
+    def train(self) -> dict[str, Any]:
+        self.maybe_resume()
+        started_at_step, started = self.step, time.perf_counter()
+        with _MetricsWriter(self.metrics_path if self.rank == 0 else None) as writer:
+            while self.should_continue_training():
+                metrics = self.train_step()
+                writer.write(metrics)
+                if self.step % self.cfg.training.log_every == 0 or self.step == 1:
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
+                             self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
+                             metrics["tokens_per_second"])
+                last = not self.should_continue_training()
+                if last or self.step % self.cfg.checkpoint.interval_steps == 0:
+                    self.checkpointer.save(self.step, self.state_dict())
+        if self.checkpointer.last_saved_step != self.step:  # resumed at the end: make sure the last step exists
+            self.checkpointer.save(self.step, self.state_dict())
+        result = {"steps": self.step, "steps_this_launch": self.step - started_at_step,
+                  "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
+                  "checkpoint_dir": str(self.cfg.checkpoint_dir),
+                  "checkpoint": str(self.cfg.checkpoint_dir / step_dir_name(self.step)), "world_size": self.world_size,
+                  "num_parameters": sum(p.numel() for p in self.model.parameters()),
+                  "metrics_file": str(self.metrics_path)}
+        if self.rank == 0:
+            _atomic_write_json(self.cfg.run_dir / "result.json", result)
+        return result
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _MetricsWriter:
+    """Appends one JSON line per step (rank 0 only); the file survives restarts and is appended to."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.handle = None
+
+    def __enter__(self) -> "_MetricsWriter":
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = self.path.open("a")
+        return self
+
+    def write(self, record: dict[str, float]) -> None:
+        if self.handle is not None:
+            self.handle.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.handle.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config path or bundled name (e.g. local)")
+    parser.add_argument("--data-dir", required=True, type=Path, help="folder with token shards (tokens.json)")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(args.config, overrides)
+    if not cfg.run.run_id:
+        raise SystemExit("run.run_id: must be set for training (pass --run.run_id=NAME)")
+    np.seterr(all="raise")
+    trainer = Trainer(cfg, args.data_dir)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return 0
