@@ -1,6 +1,6 @@
 """The pipeline's steps as plain functions: what each KFP component runs, callable without KFP.
 
-Each step resolves the run's configuration from the same three inputs (the config YAML, the override
+Each step resolves the run's configuration from the same three inputs (the config as JSON, the override
 list and KFP's job id), does its work, logs a nested MLflow run under the pipeline's parent run, and
 writes its result to ``<run_dir>/steps/<step>.json`` (or ``<step>.error.json`` when it fails), where the
 exit handler picks everything up for ``summary.json``.
@@ -26,14 +26,14 @@ STEPS_DIR = "steps"
 SUMMARY = "summary.json"
 
 
-def resolve_config(config_yaml: str, overrides: list[str], kfp_job_id: str = "") -> Config:
-    """The run's Config; run.run_id falls back to KFP's job id, so every step agrees on it."""
+def resolve_config(config_json: str, overrides: list[str], kfp_job_id: str = "") -> Config:
+    """The run's Config (config_json may also be YAML); run.run_id falls back to KFP's job id."""
     overrides = list(overrides or [])
-    cfg = config_from_yaml_text(config_yaml, overrides)
+    cfg = config_from_yaml_text(config_json, overrides)
     if not cfg.run.run_id:
         if not kfp_job_id:
             raise ValueError("run.run_id: empty and no KFP job id to fall back on; pass --run.run_id=NAME")
-        cfg = config_from_yaml_text(config_yaml, [*overrides, f"run.run_id={kfp_job_id.lower()}"])
+        cfg = config_from_yaml_text(config_json, [*overrides, f"run.run_id={kfp_job_id.lower()}"])
     return cfg
 
 

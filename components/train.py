@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections import deque
@@ -19,6 +20,10 @@ from typing import Any
 from trainer.config import Config
 
 log = logging.getLogger(__name__)
+
+
+# torch prefixes each rank's traceback lines with "[rankN]: ".
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Interrupt): \S.*)$")
 
 
 class TrainingError(RuntimeError):
@@ -44,12 +49,15 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
            # torch imports pynvml on CPU-only builds too; its deprecation notice is noise in every rank's log.
            "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
     tail: deque[str] = deque(maxlen=40)
+    errors: list[str] = []  # "SomeError: message" lines from the ranks' tracebacks
     with log_path.open("a") as log_file, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                          text=True, env=env) as proc:
         try:
             for line in proc.stdout:
                 log_file.write(line)
                 tail.append(line)
+                if match := _EXCEPTION_LINE.match(line.rstrip()):
+                    errors.append(match.group(1))
                 sys.stdout.write(line)
             returncode = proc.wait(timeout=cfg.training.timeout_seconds)
         except subprocess.TimeoutExpired as err:
@@ -57,7 +65,8 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
             raise TrainingError(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; "
                                 f"log: {log_path}") from err
     if returncode != 0:
-        raise TrainingError(f"training exited with code {returncode}; log: {log_path}\n{''.join(tail)}")
+        causes = "\n".join(dict.fromkeys(errors)) or "".join(tail)
+        raise TrainingError(f"training exited with code {returncode}; log: {log_path}\n{causes}")
     result_path = run_dir / "result.json"
     if not result_path.is_file():
         raise TrainingError(f"training finished but wrote no {result_path}; log: {log_path}")

@@ -54,7 +54,7 @@ def run_locally(cfg: Config) -> dict:
                        raise_on_error=False)
         pipeline = build_pipeline(cfg)
         started = time.perf_counter()
-        pipeline(config_yaml=cfg.to_yaml(), overrides=[])
+        pipeline(config_json=cfg.to_json(), overrides=[])
         wall = time.perf_counter() - started
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():  # the exit handler itself failed

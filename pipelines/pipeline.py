@@ -1,7 +1,8 @@
 """The resilient-train pipeline: prepare → stage → train → validate → evaluate, with an exit handler.
 
-Parameters map onto the config tree: ``config_yaml`` is a whole config (by default the one the pipeline
-was built from) and ``overrides`` a list of ``section.key=value`` strings applied on top — the same syntax
+Parameters map onto the config tree: ``config_json`` is a whole config as one line of JSON (by default
+the one the pipeline was built from; one line because KFP copies defaults into the compiled file's header
+comment, where a multi-line value breaks the YAML) and ``overrides`` a list of ``section.key=value`` strings applied on top — the same syntax
 as the CLI, so a recurring run changes one setting without restating the rest.
 """
 
@@ -16,12 +17,12 @@ PIPELINE_NAME = "resilient-train"
 
 
 def build_pipeline(default_config: Config):
-    """A pipeline function whose config_yaml parameter defaults to default_config."""
-    default_yaml = default_config.to_yaml()
+    """A pipeline function whose config_json parameter defaults to default_config."""
+    default_json = default_config.to_json()
 
     @dsl.pipeline(name=PIPELINE_NAME, description="Stage data, train with FSDP2 + NVRx, validate, evaluate.")
-    def resilient_train(config_yaml: str = default_yaml, overrides: list = []):  # noqa: B006 - KFP default
-        common = dict(config_yaml=config_yaml, overrides=overrides, kfp_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+    def resilient_train(config_json: str = default_json, overrides: list = []):  # noqa: B006 - KFP default
+        common = dict(config_json=config_json, overrides=overrides, kfp_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
         finalize = finalize_run(**common).set_display_name("finalize")
         with dsl.ExitHandler(finalize, name="run"):
             prepare = prepare_run(**common).set_display_name("prepare")

@@ -174,7 +174,7 @@ class TrainingConfig:
     """Learning rate at the end of the cosine decay, as a fraction of lr."""
 
     warmup_steps: int = 20
-    """Linear warm-up steps before the cosine decay."""
+    """Linear warm-up steps before the cosine decay (a run shorter than this is all warm-up)."""
 
     weight_decay: float = 0.1
     """AdamW weight decay."""
@@ -206,8 +206,7 @@ class TrainingConfig:
             _require(getattr(self, name) >= 1, f"training.{name}", "must be >= 1")
         _require(self.lr > 0, "training.lr", "must be > 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", "must be in [0, 1]")
-        _require(0 <= self.warmup_steps < self.num_steps, "training.warmup_steps",
-                 f"must be in [0, training.num_steps={self.num_steps})")
+        _require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
         _require(self.weight_decay >= 0, "training.weight_decay", "must be >= 0")
         _require(self.grad_clip >= 0, "training.grad_clip", "must be >= 0 (0 disables clipping)")
 
@@ -322,6 +321,10 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """One line of JSON (also valid YAML): what the KFP pipeline's config_json parameter carries."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -463,7 +466,11 @@ def merge_overrides(raw: dict[str, Any], overrides: list[str]) -> Config:
 
 
 def config_from_yaml_text(text: str, overrides: list[str] = ()) -> Config:
-    raw = yaml.safe_load(text) or {}
+    """Config from YAML or JSON text (JSON is YAML) plus overrides."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"configuration text is not valid YAML/JSON: {err}") from err
     if not isinstance(raw, dict):
         raise ConfigError("configuration YAML must be a mapping of sections")
     return merge_overrides(raw, overrides)

@@ -1,0 +1,115 @@
+import pytest
+import yaml
+
+from trainer.config import CONFIG_DIR, Config, ConfigError, load_config, parse_overrides
+
+
+def test_defaults_are_valid_and_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    import trainer.config as module
+
+    cfg = Config()
+    assert cfg.training.num_steps > 0
+    tree = ast.parse(inspect.getsource(module))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config") and node.name != "Config":
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    following = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant), (
+                        f"{node.name}.{stmt.target.id} has no docstring")
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_bundled_configs_load(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_overrides_apply_on_top_of_yaml_with_types(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"training": {"num_steps": 50, "lr": 0.01}}))
+    cfg = load_config(path, ["--training.num_steps=7", "training.grad_clip=0.5", "--local.s3_server=false",
+                             "--run.trigger=ci"])
+    assert cfg.training.num_steps == 7
+    assert cfg.training.lr == 0.01
+    assert cfg.training.grad_clip == 0.5
+    assert cfg.local.s3_server is False
+    assert cfg.run.trigger == "ci"
+
+
+def test_bundled_name_resolves_to_configs_dir():
+    assert load_config("local").run.experiment == "resilient-train-local"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--training.num_stepz=3"], "unknown key 'training.num_stepz'"),
+        (["--trainin.num_steps=3"], "unknown section 'trainin'"),
+        (["--training.num_steps=abc"], "training.num_steps: expected an integer, got 'abc'"),
+        (["--training.lr=fast"], "training.lr: expected a number"),
+        (["--local.s3_server=maybe"], "local.s3_server: expected true or false"),
+        (["--run.trigger=cron"], "run.trigger: 'cron' is not one of"),
+        (["--model.preset=huge"], "model.preset: 'huge' is not one of"),
+        (["--training.num_steps=0"], "training.num_steps: must be >= 1"),
+        (["--training.warmup_steps=-1"], "training.warmup_steps: must be >= 0"),
+        (["--training.grad_clip=-1"], "training.grad_clip: must be >= 0"),
+        (["--data.s3_uri=bucket/prefix"], "data.s3_uri: 'bucket/prefix' must look like s3://bucket/prefix"),
+        (["--run.run_id=Bad_Name"], "run.run_id"),
+        (["training.num_steps"], "must look like --section.key=value"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_yaml_errors_name_the_file_and_key(tmp_path):
+    bad_key = tmp_path / "bad.yaml"
+    bad_key.write_text("training:\n  num_stepz: 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'training.num_stepz'"):
+        load_config(bad_key)
+    not_mapping = tmp_path / "list.yaml"
+    not_mapping.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="list.yaml: expected a mapping"):
+        load_config(not_mapping)
+    with pytest.raises(ConfigError, match="config file 'missing.yaml' not found"):
+        load_config("missing.yaml")
+
+
+def test_yaml_bool_is_not_an_integer(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  num_steps: true\n")
+    with pytest.raises(ConfigError, match="training.num_steps: expected an integer"):
+        load_config(path)
+
+
+def test_round_trip_through_yaml_is_lossless():
+    from trainer.config import config_from_yaml_text
+
+    cfg = load_config("local", ["--run.run_id=abc", "--training.lr=0.02"])
+    assert config_from_yaml_text(cfg.to_yaml()) == cfg
+
+
+def test_parse_overrides_keeps_equals_in_values():
+    assert parse_overrides(["--data.s3_uri=s3://b/k=v"]) == {"data": {"s3_uri": "s3://b/k=v"}}
+
+
+def test_config_hash_ignores_run_identity_but_not_training():
+    base = load_config(None, ["--run.run_id=a"])
+    assert base.config_hash() == load_config(None, ["--run.run_id=b", "--run.work_dir=/x"]).config_hash()
+    assert base.config_hash() != load_config(None, ["--training.lr=0.5"]).config_hash()
+
+
+def test_derived_paths(tmp_path):
+    cfg = load_config(None, [f"--run.work_dir={tmp_path}", "--run.run_id=r1"])
+    assert cfg.fsx_root == tmp_path / "fsx"
+    assert cfg.run_dir == tmp_path / "fsx" / "runs" / "r1"
+    assert cfg.checkpoint_dir == cfg.run_dir / "checkpoints"
+    assert cfg.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
+    assert cfg.data.bucket == "resilient-train-data" and cfg.data.prefix == "datasets/demo"

@@ -1,0 +1,20 @@
+import pytest
+
+from trainer.config import load_config
+from trainer.train import lr_at
+
+
+def test_warmup_then_cosine_to_the_floor():
+    cfg = load_config(None, ["--training.num_steps=100", "--training.warmup_steps=10", "--training.lr=1.0",
+                             "--training.min_lr_ratio=0.1"])
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+    values = [lr_at(s, cfg) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_run_shorter_than_warmup_is_all_warmup():
+    cfg = load_config(None, ["--training.num_steps=5", "--training.warmup_steps=20", "--training.lr=1.0"])
+    assert [round(lr_at(s, cfg), 3) for s in range(5)] == [0.05, 0.1, 0.15, 0.2, 0.25]
