@@ -45,9 +45,7 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     log_path = run_dir / "train.log"
     command = torchrun_command(cfg, config_path, data_dir)
     log.info("launching: %s", " ".join(command))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           # torch imports pynvml on CPU-only builds too; its deprecation notice is noise in every rank's log.
-           "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []  # "SomeError: message" lines from the ranks' tracebacks
     with log_path.open("a") as log_file, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

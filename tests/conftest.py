@@ -1,9 +1,4 @@
-import os
-
 import pytest
-
-# torch imports pynvml on CPU builds too; its deprecation notice would fill every subprocess's output.
-os.environ.setdefault("PYTHONWARNINGS", "ignore:The pynvml package is deprecated")
 
 
 @pytest.fixture

@@ -233,7 +233,7 @@ def load_model_from_checkpoint(folder: Path, verified: Verification | None = Non
     config = LlamaConfig.from_dict(verified.manifest["model_config"])
     model = build_model(config, seed=0)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state["model"])
     model.eval()
     return model, verified.manifest

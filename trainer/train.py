@@ -3,7 +3,8 @@
 Runbook (from the repository root, after the stage step has written token shards):
 
     # 2 CPU ranks (gloo), the local config
-    torchrun --standalone --nproc-per-node 2 -m trainer --config local --data-dir work/fsx/datasets/demo
+    torchrun --standalone --nproc-per-node 2 -m trainer --config local --data-dir work/fsx/datasets/demo \
+        --run.run_id=try1
 
     # one process, no launcher
     python -m trainer --config local --data-dir work/fsx/datasets/demo --run.run_id=try1
@@ -24,13 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.checkpoint import CheckpointManager, step_dir_name
-from trainer.config import Config, load_config
+from trainer.config import Config, ConfigError, load_config
 from trainer.data import ByteTokenizer, TokenBatches, load_meta
 from trainer.model import build_model, llama_config, shard_model
 
@@ -240,10 +240,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    cfg = load_config(args.config, overrides)
-    if not cfg.run.run_id:
-        raise SystemExit("run.run_id: must be set for training (pass --run.run_id=NAME)")
-    np.seterr(all="raise")
+    try:
+        cfg = load_config(args.config, overrides)
+        if not cfg.run.run_id:
+            raise ConfigError("run.run_id: must be set for training (pass --run.run_id=NAME)")
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
     trainer = Trainer(cfg, args.data_dir)
     try:
         trainer.train()
