@@ -82,7 +82,7 @@ def _download(client, bucket: str, obj: dict[str, Any], target: Path) -> None:
 
 
 def stage_s3_to_local(s3_uri: str, dataset_dir: Path, *, endpoint_url: str = "", max_workers: int = 8,
-                      val_fraction: float = 0.05) -> dict[str, Any]:
+                      val_fraction: float = 0.05, tokenizer: str = "byte") -> dict[str, Any]:
     """Download s3_uri's objects into <dataset_dir>/raw, tokenize them, and return the dataset manifest."""
     from trainer.data import tokenize_files
 
@@ -125,7 +125,7 @@ def stage_s3_to_local(s3_uri: str, dataset_dir: Path, *, endpoint_url: str = "",
     text_files = [local_path(o) for o in objects if local_path(o).suffix in TEXT_SUFFIXES]
     if not text_files:
         raise StageError(f"no {' or '.join(TEXT_SUFFIXES)} files under {s3_uri}: nothing to tokenize")
-    tokens = tokenize_files(text_files, dataset_dir, val_fraction)
+    tokens = tokenize_files(text_files, dataset_dir, val_fraction, tokenizer)
 
     manifest = {"s3_uri": s3_uri, "dataset_dir": str(dataset_dir), "objects": objects,
                 "object_count": len(objects), "bytes": sum(o["bytes"] for o in objects),

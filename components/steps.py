@@ -97,7 +97,8 @@ def stage_step(cfg: Config) -> dict[str, Any]:
 
     with _step(cfg, "stage") as (client, run_id):
         manifest = stage_s3_to_local(cfg.data.s3_uri, cfg.dataset_dir, endpoint_url=cfg.data.s3_endpoint_url,
-                                     max_workers=cfg.data.max_workers, val_fraction=cfg.data.val_fraction)
+                                     max_workers=cfg.data.max_workers, val_fraction=cfg.data.val_fraction,
+                                     tokenizer=cfg.data.tokenizer)
         splits = manifest["tokens"]["splits"]
         tracking.log_metric_records(client, run_id, [{
             "step": 0, "objects": manifest["object_count"], "bytes": manifest["bytes"],

@@ -45,7 +45,9 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     log_path = run_dir / "train.log"
     command = torchrun_command(cfg, config_path, data_dir)
     log.info("launching: %s", " ".join(command))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           # torchrun itself imports pynvml through torch.cuda; its deprecation notice is noise.
+           "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []  # "SomeError: message" lines from the ranks' tracebacks
     with log_path.open("a") as log_file, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -77,7 +79,9 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
         return []
     by_step: dict[int, dict[str, float]] = {}
     for line in Path(path).read_text().splitlines():
-        if line.strip():
+        try:
             record = json.loads(line)
-            by_step[int(record["step"])] = record
+        except json.JSONDecodeError:  # a line torn by a process killed mid-write
+            continue
+        by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]

@@ -1,4 +1,4 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP) and a commit protocol.
+"""The checkpoint format: sharded DCP folders committed through a manifest (no torch import at module level).
 
 Layout of one checkpoint directory::
 
@@ -20,8 +20,8 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,74 +141,7 @@ def latest_valid_checkpoint(directory: Path) -> Verification | None:
     return None
 
 
-class CheckpointManager:
-    """Saves and loads the training state; collective calls must be made on every rank."""
-
-    def __init__(self, directory: Path, keep_last: int, rank: int, metadata: dict[str, Any]):
-        self.directory = Path(directory)
-        self.keep_last = keep_last
-        self.rank = rank
-        self.metadata = metadata
-        self.last_saved_step: int | None = None
-
-    def _barrier(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.barrier()
-
-    def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write and commit step-N; returns the committed folder."""
-        import torch.distributed.checkpoint as dcp
-
-        final = self.directory / step_dir_name(step)
-        staging = final.with_name(final.name + ".tmp")
-        started = time.perf_counter()
-        if self.rank == 0:
-            if staging.exists():  # left over from a crash mid-save: never committed, safe to drop
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-        self._barrier()
-        dcp.save(state, checkpoint_id=str(staging))
-        self._barrier()
-        if self.rank == 0:
-            manifest = write_manifest(staging, step, self.metadata)
-            replaced = None
-            if final.exists():  # e.g. a step-N that failed verification and was replayed: move it aside first
-                replaced = final.with_name(f"{final.name}.replaced-{int(time.time())}")
-                final.rename(replaced)
-            staging.rename(final)
-            _fsync_dir(self.directory)
-            if replaced is not None:
-                shutil.rmtree(replaced, ignore_errors=True)
-            self._apply_retention()
-            size = sum(f["bytes"] for f in manifest["files"].values())
-            log.info("checkpoint step %d committed to %s (%.1f MB, %.2f s)", step, final, size / 1e6,
-                     time.perf_counter() - started)
-        self._barrier()
-        self.last_saved_step = step
-        return final
-
-    def load_latest(self, state: dict[str, Any]) -> int | None:
-        """Load the newest valid checkpoint into state in place; returns its step, or None if there is none."""
-        import torch.distributed.checkpoint as dcp
-
-        found = latest_valid_checkpoint(self.directory)
-        if found is None:
-            return None
-        dcp.load(state, checkpoint_id=str(found.path))
-        log.info("resumed from %s", found.path)
-        self.last_saved_step = int(found.manifest["step"])
-        return self.last_saved_step
-
-    def _apply_retention(self) -> None:
-        committed = committed_checkpoints(self.directory)
-        for _, folder in committed[: max(0, len(committed) - self.keep_last)]:
-            log.info("retention: deleting %s", folder)
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -233,7 +166,9 @@ def load_model_from_checkpoint(folder: Path, verified: Verification | None = Non
     config = LlamaConfig.from_dict(verified.manifest["model_config"])
     model = build_model(config, seed=0)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns about single-process loads even when asked for one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     model.load_state_dict(state["model"])
     model.eval()
     return model, verified.manifest

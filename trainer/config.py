@@ -86,6 +86,9 @@ class DataConfig:
     """S3 endpoint override (e.g. an S3-compatible server); empty uses boto3's standard resolution
     (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, then AWS)."""
 
+    tokenizer: str = "byte"
+    """'byte' (built-in byte-level tokenizer, no files) or a folder with an HF tokenizer.json."""
+
     val_fraction: float = 0.05
     """Fraction of the documents held out for evaluation (chosen deterministically by document hash)."""
 
@@ -141,10 +144,17 @@ class ModelConfig:
     """The Llama-architecture model."""
 
     preset: Literal["tiny", "small", "llama3-1b", "llama3.1-8b"] = "tiny"
-    """Architecture preset (layer count and widths); see MODEL_PRESETS."""
+    """Architecture preset (layer count and widths); see MODEL_PRESETS. Ignored when init_from is set."""
+
+    init_from: str = ""
+    """HF-format weights folder (config.json + *.safetensors, e.g. staged onto FSx) to start from;
+    empty starts from random weights. A checkpoint to resume from takes precedence."""
 
     vocab_size: int = 0
     """Vocabulary size; 0 means the tokenizer's (the built-in byte tokenizer has 258)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
 
     def __post_init__(self) -> None:
         _require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {sorted(MODEL_PRESETS)}")
@@ -214,6 +224,17 @@ class TrainingConfig:
 @dataclass
 class CheckpointConfig:
     """Sharded DCP checkpoints on the FSx mount."""
+
+    enabled: bool = True
+    """Save checkpoints at all (off only for benchmarks and throw-away runs)."""
+
+    mode: Literal["sync", "async"] = "async"
+    """async: the loop blocks only while the state is copied to host memory, the write runs in the
+    background; sync: the loop waits for the whole write (baseline)."""
+
+    async_backend: Literal["auto", "torch", "nvrx"] = "auto"
+    """Writer for async mode: nvrx (NVRx async DCP writer, CUDA only), torch (dcp.async_save in a
+    background process on its own gloo group; CPU or CUDA), auto (nvrx on CUDA when installed, else torch)."""
 
     dir: str = ""
     """Checkpoint folder; empty means <data.fsx_root>/runs/<run.run_id>/checkpoints."""

@@ -1,6 +1,7 @@
-"""Token data: a byte-level tokenizer, token shards on disk, and deterministic per-rank batches.
+"""Token data: tokenization into shards on disk, and deterministic per-rank batches.
 
-Shards are flat arrays of token ids (``train.bin`` / ``val.bin``, uint16) described by ``tokens.json``.
+Shards are flat arrays of token ids (``train.bin`` / ``val.bin``, uint16, or uint32 for vocabularies
+above 65,536) described by ``tokens.json``.
 A batch is a function of (seed, step, micro-step, rank) only, so resuming at step k needs no saved
 iterator state and replays exactly the batches an uninterrupted run would have seen.
 """
@@ -24,21 +25,6 @@ META_FILE = "tokens.json"
 
 class DataError(RuntimeError):
     """Token data missing, malformed or too small for the requested batches."""
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens, plus BOS and EOS. Needs no files, so the demo runs anywhere."""
-
-    name = "byte"
-    bos_id = 256
-    eos_id = 257
-    vocab_size = 258
-
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_id, *text.encode("utf-8"), self.eos_id]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 def is_held_out(document: str, val_fraction: float) -> bool:
@@ -66,16 +52,19 @@ def read_documents(files: list[Path]) -> Iterable[str]:
                     yield block.strip()
 
 
-def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float) -> dict:
+def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokenizer: str = "byte") -> dict:
     """Tokenize raw text files into train/val shards in out_dir; reuses them when the inputs are unchanged.
 
     The cache key is a hash of the input files' contents, the split and the tokenizer, so editing one
     document re-tokenizes and touching nothing does not.
     """
+    from trainer.tokenizer import load_tokenizer
+
     if not files:
         raise DataError(f"no .txt or .jsonl files to tokenize for {out_dir}")
-    tokenizer = ByteTokenizer()
-    hasher = hashlib.sha256(f"v{SHARD_FORMAT_VERSION}:{tokenizer.name}:{val_fraction}".encode())
+    loaded = load_tokenizer(tokenizer)
+    hasher = hashlib.sha256(f"v{SHARD_FORMAT_VERSION}:{val_fraction}".encode())
+    hasher.update(loaded.tokenizer.to_str().encode())
     for path in sorted(files):
         hasher.update(path.name.encode())
         hasher.update(hashlib.sha256(path.read_bytes()).digest())
@@ -89,29 +78,32 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float) -> dic
             log.info("token shards in %s are up to date (content hash %s)", out_dir, content_hash[:12])
             return meta
 
-    splits: dict[str, list[int]] = {"train": [], "val": []}
-    documents = {"train": 0, "val": 0}
+    texts: dict[str, list[str]] = {"train": [], "val": []}
     for document in read_documents(files):
-        split = "val" if is_held_out(document, val_fraction) else "train"
-        splits[split].extend(tokenizer.encode(document))
-        documents[split] += 1
-    for split, tokens in splits.items():
-        if not tokens:
+        texts["val" if is_held_out(document, val_fraction) else "train"].append(document)
+    for split, docs in texts.items():
+        if not docs:
             raise DataError(f"the {split} split is empty: add documents or change data.val_fraction")
 
+    dtype = np.uint16 if loaded.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-            "dtype": "uint16", "content_hash": content_hash, "val_fraction": val_fraction, "splits": {}}
-    for split, tokens in splits.items():
+    meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": loaded.name, "vocab_size": loaded.vocab_size,
+            "dtype": np.dtype(dtype).name, "content_hash": content_hash, "val_fraction": val_fraction, "splits": {}}
+    for split, docs in texts.items():
         target = out_dir / f"{split}.bin"
         tmp = target.with_suffix(".bin.tmp")
-        np.asarray(tokens, dtype=np.uint16).tofile(tmp)
+        count = 0
+        with tmp.open("wb") as handle:
+            for start in range(0, len(docs), 4096):  # bounded memory for large corpora
+                for ids in loaded.encode_documents(docs[start : start + 4096]):
+                    np.asarray(ids, dtype=dtype).tofile(handle)
+                    count += len(ids)
         tmp.replace(target)
-        meta["splits"][split] = {"file": target.name, "tokens": len(tokens), "documents": documents[split]}
+        meta["splits"][split] = {"file": target.name, "tokens": count, "documents": len(docs)}
     tmp_meta = meta_path.with_suffix(".json.tmp")
     tmp_meta.write_text(json.dumps(meta, indent=2))
     tmp_meta.replace(meta_path)  # written last: its presence means the shards are complete
-    log.info("tokenized %d train / %d val documents into %s", documents["train"], documents["val"], out_dir)
+    log.info("tokenized %d train / %d val documents into %s", len(texts["train"]), len(texts["val"]), out_dir)
     return meta
 
 

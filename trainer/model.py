@@ -27,6 +27,22 @@ def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
+def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
+    """Weights from model.init_from (HF folder, local files only), else the preset with random weights."""
+    if not model.init_from:
+        return build_model(llama_config(model, vocab_size), seed)
+    from pathlib import Path
+
+    folder = Path(model.init_from)
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        raise ValueError(f"model.init_from: {folder} must hold config.json and *.safetensors (an HF export)")
+    torch.manual_seed(seed)  # layers the weights file does not cover are initialised reproducibly
+    loaded = LlamaForCausalLM.from_pretrained(str(folder), local_files_only=True, use_safetensors=True,
+                                              attn_implementation="sdpa", dtype=torch.float32)
+    log.info("model: %.1f M parameters from %s", sum(p.numel() for p in loaded.parameters()) / 1e6, folder)
+    return loaded
+
+
 def shard_model(model: LlamaForCausalLM, mixed_precision: bool) -> LlamaForCausalLM:
     """FSDP2: each decoder layer is its own unit, then the root (embeddings, norm, head)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

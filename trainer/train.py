@@ -29,10 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from trainer.checkpoint import CheckpointManager, step_dir_name
+from trainer.checkpoint import step_dir_name
+from trainer.checkpointer import CheckpointManager
 from trainer.config import Config, ConfigError, load_config
-from trainer.data import ByteTokenizer, TokenBatches, load_meta
-from trainer.model import build_model, llama_config, shard_model
+from trainer.data import TokenBatches, load_meta
+from trainer.events import EventLog
+from trainer.model import load_or_build_model, shard_model
 
 log = logging.getLogger("trainer")
 
@@ -58,20 +60,26 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
 
         meta = load_meta(self.data_dir)
-        if meta["tokenizer"] != ByteTokenizer.name:
-            raise ValueError(f"{self.data_dir}: tokenizer {meta['tokenizer']!r} is not supported by this trainer")
-        self.model_config = llama_config(cfg.model, vocab_size=meta["vocab_size"])
-        model = build_model(self.model_config, seed=cfg.run.seed).to(self.device)
-        self.model = shard_model(model, mixed_precision=self.device.type == "cuda")
+        model = load_or_build_model(cfg.model, vocab_size=meta["vocab_size"], seed=cfg.run.seed)
+        if model.config.vocab_size < meta["vocab_size"]:
+            raise ValueError(f"model vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
+                             f"({meta['vocab_size']}, {self.data_dir}): fix model.vocab_size or data.tokenizer")
+        self.model_config = model.config
+        if cfg.model.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = shard_model(model.to(self.device), mixed_precision=self.device.type == "cuda")
+        self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.training.lr,
                                            weight_decay=cfg.training.weight_decay, betas=(0.9, 0.95))
         self.batches = TokenBatches.open(self.data_dir, "train", cfg.training.seq_len, cfg.training.batch_size,
                                          cfg.run.seed)
+        self.events = EventLog(cfg.run_dir, self.rank)
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint_dir, keep_last=cfg.checkpoint.keep_last, rank=self.rank,
+            cfg.checkpoint_dir, cfg.checkpoint, rank=self.rank, device=self.device, events=self.events,
+            # Checkpoints describe themselves: resume, validation and export need nothing else.
             metadata={"world_size": self.world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
-                      "model_config": self.model_config.to_dict(), "data_content_hash": meta["content_hash"],
-                      "config": cfg.to_dict()},
+                      "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
+                      "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         )
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
 
@@ -105,9 +113,14 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        # A tensor, not an int: DCP stores non-tensor items with pickle.
-        return {"model": model_state, "optim": optim_state, "trainer": {"step": torch.tensor(self.step),
-                                                                 "last_loss": torch.tensor(self.last_loss)}}
+        # Tensors, not Python numbers: DCP stores non-tensor items with pickle. RNG state differs per rank,
+        # and DCP de-duplicates equal keys across ranks, hence the rank in the key.
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"model": model_state, "optim": optim_state,
+                "trainer": {"step": torch.tensor(self.step), "last_loss": torch.tensor(self.last_loss)},
+                "rng": {f"rank{self.rank}": rng}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -116,12 +129,17 @@ class Trainer:
                        optim_state_dict=state["optim"])
         self.step = int(state["trainer"]["step"])
         self.last_loss = float(state["trainer"]["last_loss"])
+        rng = state["rng"].get(f"rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
 
     def maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
             return
         state = self.state_dict()
-        if self.checkpointer.load_latest(state) is not None:
+        if self.checkpointer.load_latest(state, optional=("rng",)) is not None:
             self.load_state_dict(state)
             log.info("resuming at step %d", self.step)
 
@@ -171,15 +189,15 @@ class Trainer:
                     log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
                              metrics["tokens_per_second"])
-                last = not self.should_continue_training()
-                if last or self.step % self.cfg.checkpoint.interval_steps == 0:
-                    self.checkpointer.save(self.step, self.state_dict())
-        if self.checkpointer.last_saved_step != self.step:  # resumed at the end: make sure the last step exists
-            self.checkpointer.save(self.step, self.state_dict())
+                self.checkpointer.maybe_save(self.step, self.state_dict, last=not self.should_continue_training())
+        self.checkpointer.maybe_save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
+        self.checkpointer.wait()
         result = {"steps": self.step, "steps_this_launch": self.step - started_at_step,
                   "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
                   "checkpoint_dir": str(self.cfg.checkpoint_dir),
-                  "checkpoint": str(self.cfg.checkpoint_dir / step_dir_name(self.step)), "world_size": self.world_size,
+                  "checkpoint": (str(self.cfg.checkpoint_dir / step_dir_name(self.step))
+                                 if self.checkpointer.enabled else None),
+                  "world_size": self.world_size,
                   "num_parameters": sum(p.numel() for p in self.model.parameters()),
                   "metrics_file": str(self.metrics_path)}
         if self.rank == 0:
@@ -187,6 +205,7 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        self.checkpointer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

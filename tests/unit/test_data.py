@@ -3,15 +3,32 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import ByteTokenizer, DataError, TokenBatches, is_held_out, tokenize_files
+from trainer.data import DataError, TokenBatches, is_held_out, tokenize_files
+from trainer.tokenizer import TokenizerError, load_tokenizer
 
 
-def test_byte_tokenizer_round_trips_unicode():
-    tokenizer = ByteTokenizer()
-    ids = tokenizer.encode("héllo wörld ✓")
-    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
-    assert max(ids) < tokenizer.vocab_size
-    assert tokenizer.decode(ids) == "héllo wörld ✓"
+def test_byte_tokenizer_ids_are_bytes_framed_by_bos_and_eos():
+    tokenizer = load_tokenizer("byte")
+    text = "héllo wörld ✓\n\n  x"
+    [ids] = tokenizer.encode_documents([text])
+    assert ids == [256, *text.encode("utf-8"), 257]
+    assert tokenizer.vocab_size == 258
+    assert tokenizer.decode(ids) == text
+
+
+def test_saved_byte_tokenizer_loads_in_transformers_and_from_its_folder(tmp_path):
+    from transformers import AutoTokenizer
+
+    load_tokenizer("byte").save(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert hf("abc", add_special_tokens=False)["input_ids"] == [97, 98, 99]
+    again = load_tokenizer(str(tmp_path))
+    assert again.encode_documents(["ab"]) == [[256, 97, 98, 257]]
+
+
+def test_tokenizer_folder_without_tokenizer_json_is_named(tmp_path):
+    with pytest.raises(TokenizerError, match="data.tokenizer: .*tokenizer.json not found"):
+        load_tokenizer(str(tmp_path))
 
 
 def test_split_is_deterministic_and_roughly_the_fraction():

@@ -1,0 +1,313 @@
+"""The checkpoint manager: one public surface, write backends behind it.
+
+    checkpointer.maybe_save(step, trainer.state_dict, last=...)   # the training loop's only call
+    checkpointer.load_latest(state)                                 # at start
+    checkpointer.close()                                            # waits for the save in flight
+
+Backends write one DCP checkpoint into ``step-N.tmp``:
+
+- ``sync``: ``dcp.save``; the loop waits for the whole write (the baseline).
+- ``torch-async`` (CPU, or CUDA without NVRx): ``dcp.async_save`` with the process-based executor on its
+  *own* gloo group (on the default group it hangs or aborts in gloo), staging into reused shared-memory
+  buffers so only a warm memcpy blocks the loop.
+- ``nvrx-async`` (CUDA): NVRx's ``FileSystemWriterAsync`` + persistent ``AsyncCallsQueue``.
+
+At most one save is in flight; the previous one is finished before the next starts. When a write has
+completed on every rank, rank 0 commits it (manifest with every file's size and sha256, then an atomic
+rename to ``step-N``) on a background thread, and applies keep-last-k retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import (committed_checkpoints, fsync_dir, latest_valid_checkpoint, step_dir_name,
+                                write_manifest)
+from trainer.config import CheckpointConfig
+from trainer.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+# -- backends ----------------------------------------------------------------------------------------
+
+
+class PendingWrite:
+    """A write that may still be running; wait() re-raises its failure."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class _FutureWrite(PendingWrite):
+    def __init__(self, future: Future):
+        self.future = future
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+class SyncBackend:
+    name = "sync"
+
+    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(folder))
+        return PendingWrite()
+
+    def close(self) -> None:
+        return None
+
+
+class TorchAsyncBackend:
+    """dcp.async_save in a background process, on a dedicated gloo group, with reused staging buffers."""
+
+    name = "torch-async"
+
+    def __init__(self, device: torch.device):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.group = dist.new_group(backend="gloo")
+        on_cuda = device.type == "cuda"
+        # Shared memory: the background process reads the staged tensors in place instead of receiving
+        # pickled copies. The stager caches these buffers, so later saves copy into warm memory.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+
+    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+        # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
+        return _FutureWrite(getattr(response, "upload_completion", response))
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class NvrxAsyncBackend:
+    """NVRx's async DCP writer with a persistent worker (GPU). Every rank must poll at the same steps."""
+
+    name = "nvrx-async"
+
+    def __init__(self) -> None:
+        from trainer import nvrx_compat
+
+        self._compat = nvrx_compat
+        self.queue = nvrx_compat.async_calls_queue(persistent=True)
+
+    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+        writer = self._compat.filesystem_writer_async(str(folder))
+        plan = self._compat.plan_async_save(state, writer)
+        finished = {"done": False}
+        request = self._compat.async_request(writer, plan, lambda: finished.update(done=True))
+        self.queue.schedule_async_request(request)
+        backend = self
+
+        class _NvrxWrite(PendingWrite):
+            def done(self) -> bool:
+                # Collective across ranks: called by every rank at the same step (maybe_save's poll).
+                backend.queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
+                return finished["done"]
+
+            def wait(self) -> None:
+                backend.queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+                assert finished["done"], "NVRx finalized the queue without running the finalize function"
+
+        return _NvrxWrite()
+
+    def close(self) -> None:
+        self.queue.close()
+
+
+def make_backend(cfg: CheckpointConfig, device: torch.device):
+    if cfg.mode == "sync":
+        return SyncBackend()
+    backend = cfg.async_backend
+    if backend == "auto":
+        from trainer.nvrx_compat import nvrx_available
+
+        backend = "nvrx" if device.type == "cuda" and nvrx_available() else "torch"
+    if backend == "nvrx":
+        if device.type != "cuda":
+            raise ValueError("checkpoint.async_backend: nvrx needs CUDA (TorchAsyncCheckpoint and its writer "
+                             "synchronize the GPU); use torch or auto on CPU")
+        return NvrxAsyncBackend()
+    return TorchAsyncBackend(device)
+
+
+# -- manager -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _InFlight:
+    step: int
+    staging: Path
+    write: PendingWrite
+    started: float
+    blocking_seconds: float
+
+
+class CheckpointManager:
+    """Saves, commits and loads training state; collective methods are called on every rank."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, device: torch.device,
+                 metadata: dict[str, Any], events: EventLog):
+        self.directory = Path(directory)
+        self.cfg = cfg
+        self.rank = rank
+        self.metadata = metadata
+        self.events = events
+        self.backend = make_backend(cfg, device) if cfg.enabled else None
+        self.last_saved_step: int | None = None
+        self._in_flight: _InFlight | None = None
+        self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
+        self._commit_future: Future | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    # -- saving ------------------------------------------------------------------------------------
+
+    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]], *, last: bool = False) -> None:
+        """Once per step: finish a completed background write, and save when the interval (or last) says so."""
+        if not self.enabled:
+            return
+        self._poll()
+        if (last or step % self.cfg.interval_steps == 0) and self.last_saved_step != step:
+            self.save(step, state_fn())
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        self._finish_in_flight()  # at most one save in flight
+        staging = self.directory / (step_dir_name(step) + ".tmp")
+        if self.rank == 0:
+            if staging.exists():  # left by a crash mid-save: never committed, safe to drop
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        dist.barrier()
+        started = time.perf_counter()
+        write = self.backend.start(state, staging)
+        blocking = time.perf_counter() - started
+        self._in_flight = _InFlight(step, staging, write, started, blocking)
+        self.last_saved_step = step
+        if self.cfg.mode == "sync":
+            self._finish_in_flight()
+
+    def _poll(self) -> None:
+        if self._in_flight is not None and self._in_flight.write.done():
+            self._finish_in_flight()
+
+    def _finish_in_flight(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        flight.write.wait()
+        write_seconds = time.perf_counter() - flight.started
+        self.events.write("checkpoint_written", step=flight.step, mode=self.backend.name,
+                          blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds)
+        if self.rank != 0:
+            return
+        # Rank 0's write completes only after DCP gathered every rank's results and wrote .metadata,
+        # so every shard is on disk: the checkpoint can be committed.
+        if self._commit_future is not None:
+            self._commit_future.result()
+        commit = lambda: self._commit(flight, write_seconds)  # noqa: E731
+        if self.cfg.mode == "sync":
+            commit()
+        else:
+            self._commit_future = self._commits.submit(commit)
+
+    def _commit(self, flight: _InFlight, write_seconds: float) -> None:
+        started = time.perf_counter()
+        manifest = write_manifest(flight.staging, flight.step, self.metadata)
+        final = self.directory / step_dir_name(flight.step)
+        replaced = None
+        if final.exists():  # e.g. a step-N that failed verification and was replayed: move it aside first
+            replaced = final.with_name(f"{final.name}.replaced-{int(time.time())}")
+            final.rename(replaced)
+        flight.staging.rename(final)
+        fsync_dir(self.directory)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        commit_seconds = time.perf_counter() - started
+        size = sum(f["bytes"] for f in manifest["files"].values())
+        total = write_seconds + commit_seconds
+        self.events.write("checkpoint_committed", step=flight.step, mode=self.backend.name, path=str(final),
+                          bytes=size, blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds,
+                          commit_seconds=commit_seconds, background_seconds=total - flight.blocking_seconds,
+                          mb_per_second=size / 1e6 / total if total > 0 else None)
+        log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3f s, write %.2f s, commit %.2f s)",
+                 flight.step, final, size / 1e6, flight.blocking_seconds, write_seconds, commit_seconds)
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        committed = committed_checkpoints(self.directory)
+        # The newest is the one just committed and verified by construction, so it is never deleted.
+        for _, folder in committed[: max(0, len(committed) - self.cfg.keep_last)]:
+            log.info("retention: deleting %s", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Finish the save in flight and its commit."""
+        self._finish_in_flight()
+        if self._commit_future is not None:
+            self._commit_future.result()
+            self._commit_future = None
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.wait()
+        self.backend.close()
+        if self._commits is not None:
+            self._commits.shutdown(wait=True)
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def load_latest(self, state: dict[str, Any], optional: tuple[str, ...] = ()) -> int | None:
+        """Load the newest valid checkpoint into state in place; its step, or None when there is none.
+
+        Top-level entries named in `optional` (per-rank RNG, say) are loaded only where the checkpoint
+        has them, so a checkpoint from another world size still resumes.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        # Every rank verifies (the files are shared) and must agree; rank 0's view decides.
+        found = latest_valid_checkpoint(self.directory)
+        choice = [str(found.path) if found else None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        if found is None or str(found.path) != choice[0]:
+            raise RuntimeError(f"rank {self.rank} does not see the checkpoint rank 0 chose ({choice[0]}): "
+                               "is the checkpoint directory on a shared file system?")
+        stored = FileSystemReader(choice[0]).read_metadata().state_dict_metadata
+        for name in optional:
+            for key in list(state.get(name, {})):
+                if not any(k.startswith(f"{name}.{key}") for k in stored):
+                    log.warning("checkpoint %s has no %s.%s; keeping the current value", choice[0], name, key)
+                    del state[name][key]
+        dcp.load(state, checkpoint_id=choice[0])
+        self.last_saved_step = int(found.manifest["step"])
+        log.info("resumed from %s", found.path)
+        return self.last_saved_step

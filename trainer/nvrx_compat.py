@@ -1,0 +1,64 @@
+"""The one place that knows how NVIDIA Resiliency Extension (NVRx) differs across versions.
+
+Supported: 0.4.1 (what Python 3.11 gets from PyPI) and >= 0.6 (NGC/DLC GPU images, Python 3.12).
+Everything else in the project imports NVRx through this module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Callable
+
+
+def nvrx_version() -> str | None:
+    try:
+        return version("nvidia-resiliency-ext")
+    except PackageNotFoundError:
+        return None
+
+
+def nvrx_available() -> bool:
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+
+def async_calls_queue(persistent: bool = True):
+    """NVRx's AsyncCallsQueue (GPU async checkpointing); a persistent worker process by default."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=persistent)
+
+
+def filesystem_writer_async(path: str, thread_count: int = 2):
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+    return FileSystemWriterAsync(path, thread_count=thread_count)
+
+
+def plan_async_save(state_dict: dict[str, Any], writer, process_group=None) -> tuple:
+    """save_state_dict_async_plan across versions (enable_cache appeared after 0.3)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+    kwargs: dict[str, Any] = {"planner": DefaultSavePlanner()}
+    if "enable_cache" in inspect.signature(save_state_dict_async_plan).parameters:
+        kwargs["enable_cache"] = True
+    return save_state_dict_async_plan(state_dict, writer, process_group, 0, **kwargs)
+
+
+def async_request(writer, plan_result: tuple, on_finalized: Callable[[], None]):
+    """An AsyncRequest that writes the planned shards and, once every rank is done, finalizes DCP metadata."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
+
+    returned = writer.get_save_function_and_args()
+    # 0.4+: (save_fn, preload_fn, args); earlier: (save_fn, args).
+    save_fn, preload_fn, save_args = returned if len(returned) == 3 else (returned[0], None, returned[1])
+
+    def finalize() -> None:
+        save_state_dict_async_finalize(*plan_result)
+        on_finalized()
+
+    kwargs = {"preload_fn": preload_fn} if preload_fn is not None else {}
+    return AsyncRequest(save_fn, save_args, [finalize], **kwargs)

@@ -1,0 +1,92 @@
+"""Tokenizers: the built-in byte-level one, or an HF tokenizer.json from a local folder. No hub access.
+
+The built-in tokenizer is a real HF ``tokenizers`` object (byte-level BPE without merges: token id =
+byte value, plus BOS 256 and EOS 257), so HF exports carry a tokenizer that transformers loads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+BYTE = "byte"
+_BOS, _EOS = "<|bos|>", "<|eos|>"
+
+
+class TokenizerError(ValueError):
+    """data.tokenizer names something that is not a usable tokenizer."""
+
+
+@dataclass
+class LoadedTokenizer:
+    tokenizer: "tokenizers.Tokenizer"  # noqa: F821
+    name: str
+    bos_token: str | None
+    eos_token: str | None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+
+    def encode_documents(self, documents: list[str]) -> list[list[int]]:
+        """Token ids per document, framed by BOS/EOS where the tokenizer has them."""
+        bos, eos = self.bos_id, self.eos_id
+        encoded = self.tokenizer.encode_batch(documents, add_special_tokens=False)
+        return [([bos] if bos is not None else []) + e.ids + ([eos] if eos is not None else []) for e in encoded]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def save(self, out_dir: Path) -> None:
+        """tokenizer.json + tokenizer_config.json + special_tokens_map.json, loadable by AutoTokenizer."""
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_object=self.tokenizer, bos_token=self.bos_token,
+                                eos_token=self.eos_token).save_pretrained(str(out_dir))
+
+
+def _byte_tokenizer() -> LoadedTokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_to_char = bytes_to_unicode()
+    tokenizer = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([_BOS, _EOS])
+    return LoadedTokenizer(tokenizer, BYTE, _BOS, _EOS)
+
+
+def load_tokenizer(spec: str) -> LoadedTokenizer:
+    """'byte', or a folder holding tokenizer.json (and optionally tokenizer_config.json for BOS/EOS)."""
+    if spec == BYTE:
+        return _byte_tokenizer()
+    from tokenizers import Tokenizer
+
+    folder = Path(spec)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(f"data.tokenizer: {path} not found; use 'byte' or a folder with an HF tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # the Rust library raises plain Exceptions for malformed files
+        raise TokenizerError(f"data.tokenizer: {path} is not a valid HF tokenizer ({err})") from err
+    bos = eos = None
+    config_path = folder / "tokenizer_config.json"
+    if config_path.is_file():
+        config = json.loads(config_path.read_text())
+        bos, eos = (_token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+    return LoadedTokenizer(tokenizer, str(folder.resolve()), bos, eos)
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
