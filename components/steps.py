@@ -115,12 +115,12 @@ def stage_step(cfg: Config) -> dict[str, Any]:
 
 
 def train_step(cfg: Config, data_dir: str) -> dict[str, Any]:
-    from components.train import read_metrics, run_local_training
+    from components.train import checkpoint_metric_records, read_metrics, run_local_training
 
     with _step(cfg, "train") as (client, run_id):
         result = run_local_training(cfg, Path(data_dir))
-        records = read_metrics(Path(result["metrics_file"]))
-        tracking.log_metric_records(client, run_id, records)
+        tracking.log_metric_records(client, run_id, read_metrics(Path(result["metrics_file"])))
+        tracking.log_metric_records(client, run_id, checkpoint_metric_records(cfg.run_dir))
         client.log_artifact(run_id, str(cfg.run_dir / "train.log"))
         if result.get("checkpoint") is None:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")

@@ -85,3 +85,19 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
             continue
         by_step[int(record["step"])] = record
     return [by_step[s] for s in sorted(by_step)]
+
+
+def checkpoint_metric_records(run_dir: Path) -> list[dict[str, float]]:
+    """Per-checkpoint records for MLflow: the loop's stall (worst rank), background time, size, speed."""
+    from trainer.events import read_events
+
+    stall: dict[int, float] = {}
+    for event in read_events(run_dir, "checkpoint_written"):
+        stall[event["step"]] = max(stall.get(event["step"], 0.0), event["blocking_seconds"])
+    records = []
+    for event in read_events(run_dir, "checkpoint_committed"):
+        records.append({"step": event["step"], "time": event["time"],
+                        "checkpoint_blocking_seconds": stall.get(event["step"], event["blocking_seconds"]),
+                        "checkpoint_background_seconds": event["background_seconds"],
+                        "checkpoint_bytes": event["bytes"], "checkpoint_mb_per_second": event["mb_per_second"] or 0.0})
+    return records

@@ -6,7 +6,7 @@ Layout of one checkpoint directory::
     <dir>/step-000100/       committed: DCP shards + .metadata + manifest.json
 
 Commit: every rank writes its shards into ``step-N.tmp``; after a barrier rank 0 writes ``manifest.json``
-(every file with size and sha256, the step, world size, model config, config hash, library versions)
+(every file with size and content hash, the step, world size, model config, config hash, library versions)
 and renames the folder to ``step-N``. A checkpoint counts only when its manifest verifies, so a crash at
 any point leaves either the previous checkpoints or a complete new one — never a half-written "latest".
 DCP itself has no checksums and reads non-tensor items with pickle, which is why nothing is loaded from a
@@ -41,8 +41,22 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-def sha256_file(path: Path, chunk_bytes: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
+HASH_ALGORITHM = "xxh3_128"
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128":
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise CheckpointError(f"unknown manifest hash algorithm {algorithm!r}")
+
+
+def hash_file(path: Path, algorithm: str = HASH_ALGORITHM, chunk_bytes: int = 8 << 20) -> str:
+    """Content hash for corruption detection (not tamper-proofing: the manifest sits beside the data)."""
+    digest = _hasher(algorithm)
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
@@ -64,8 +78,9 @@ def library_versions() -> dict[str, str]:
 def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[str, Any]:
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "hash": hash_file(path)}
     manifest = {"manifest_version": MANIFEST_VERSION, "step": step, "created_at": time.time(),
+                "hash_algorithm": HASH_ALGORITHM,
                 "libraries": library_versions(), **metadata, "files": files}
     tmp = folder / (MANIFEST + ".tmp")
     with tmp.open("w") as handle:
@@ -90,7 +105,7 @@ class Verification:
 
 
 def verify_checkpoint(folder: Path) -> Verification:
-    """Check that every file the manifest lists exists with its size and sha256, and nothing is missing."""
+    """Check that every file the manifest lists exists with its size and content hash."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST
     if not folder.is_dir():
@@ -100,6 +115,7 @@ def verify_checkpoint(folder: Path) -> Verification:
     try:
         manifest = json.loads(manifest_path.read_text())
         listed = manifest["files"]
+        algorithm = manifest["hash_algorithm"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         return Verification(folder, [f"{manifest_path}: unreadable manifest ({err})"], None)
     problems = []
@@ -113,8 +129,8 @@ def verify_checkpoint(folder: Path) -> Verification:
         size = path.stat().st_size
         if size != expected["bytes"]:
             problems.append(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated or overwritten)")
-        elif sha256_file(path) != expected["sha256"]:
-            problems.append(f"{path}: sha256 differs from the manifest (corrupted)")
+        elif hash_file(path, algorithm) != expected["hash"]:
+            problems.append(f"{path}: content hash ({algorithm}) differs from the manifest (corrupted)")
     return Verification(folder, problems, manifest)
 
 

@@ -13,14 +13,16 @@ Backends write one DCP checkpoint into ``step-N.tmp``:
 - ``nvrx-async`` (CUDA): NVRx's ``FileSystemWriterAsync`` + persistent ``AsyncCallsQueue``.
 
 At most one save is in flight; the previous one is finished before the next starts. When a write has
-completed on every rank, rank 0 commits it (manifest with every file's size and sha256, then an atomic
+completed on every rank, rank 0 commits it (manifest with every file's size and xxh3-128 hash, then an atomic
 rename to ``step-N``) on a background thread, and applies keep-last-k retention.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,10 +54,12 @@ class PendingWrite:
 
 
 class _FutureWrite(PendingWrite):
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, on_poll: Callable[[], None] = lambda: None):
         self.future = future
+        self.on_poll = on_poll
 
     def done(self) -> bool:
+        self.on_poll()
         return self.future.done()
 
     def wait(self) -> None:
@@ -80,9 +84,11 @@ class TorchAsyncBackend:
 
     name = "torch-async"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, nice: int):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        self.nice = nice
+        self._reniced: set[int] = set()
         self.group = dist.new_group(backend="gloo")
         on_cuda = device.type == "cuda"
         # Shared memory: the background process reads the staged tensors in place instead of receiving
@@ -92,12 +98,30 @@ class TorchAsyncBackend:
 
     def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+        # Plan caching: the state's layout is the same every save, so the persistent background process
+        # skips re-planning (a round of collectives) after the first save.
         response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
+                                  planner=DefaultSavePlanner(enable_plan_caching=True),
                                   async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
         # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
-        return _FutureWrite(getattr(response, "upload_completion", response))
+        return _FutureWrite(getattr(response, "upload_completion", response), on_poll=self._renice_writer)
+
+    def _renice_writer(self) -> None:
+        """Lower the priority of DCP's writer process (our child, started lazily on the first save)."""
+        if not self.nice:
+            return
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in self._reniced:
+                try:
+                    child.nice(max(child.nice(), self.nice))
+                except psutil.Error:
+                    continue
+                self._reniced.add(child.pid)
 
     def close(self) -> None:
         self.stager.close()
@@ -151,7 +175,7 @@ def make_backend(cfg: CheckpointConfig, device: torch.device):
             raise ValueError("checkpoint.async_backend: nvrx needs CUDA (TorchAsyncCheckpoint and its writer "
                              "synchronize the GPU); use torch or auto on CPU")
         return NvrxAsyncBackend()
-    return TorchAsyncBackend(device)
+    return TorchAsyncBackend(device, cfg.background_nice)
 
 
 # -- manager -----------------------------------------------------------------------------------------
@@ -237,6 +261,9 @@ class CheckpointManager:
             self._commit_future = self._commits.submit(commit)
 
     def _commit(self, flight: _InFlight, write_seconds: float) -> None:
+        if self.cfg.mode == "async" and self.cfg.background_nice:
+            # Linux nice is per thread: this lowers only the commit thread (hashing), not the training loop.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
         started = time.perf_counter()
         manifest = write_manifest(flight.staging, flight.step, self.metadata)
         final = self.directory / step_dir_name(flight.step)

@@ -125,7 +125,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                  num_key_value_heads=4, max_position_embeddings=512, rope_theta=10000.0,
                  tie_word_embeddings=False),
     # ~100 M params with the byte vocabulary: CPU benchmarks.
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
                   num_key_value_heads=4, max_position_embeddings=2048, rope_theta=500000.0,
                   tie_word_embeddings=False),
     # Llama-3.2-1B's shape.
@@ -236,6 +236,10 @@ class CheckpointConfig:
     """Writer for async mode: nvrx (NVRx async DCP writer, CUDA only), torch (dcp.async_save in a
     background process on its own gloo group; CPU or CUDA), auto (nvrx on CUDA when installed, else torch)."""
 
+    background_nice: int = 10
+    """CPU priority (Unix nice, 0-19) of background checkpoint work (the async writer process, the commit
+    thread): with every core busy training, it then takes idle cycles first. 0 leaves it unchanged."""
+
     dir: str = ""
     """Checkpoint folder; empty means <data.fsx_root>/runs/<run.run_id>/checkpoints."""
 
@@ -251,6 +255,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1")
         _require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        _require(0 <= self.background_nice <= 19, "checkpoint.background_nice", "must be in [0, 19]")
 
 
 @dataclass

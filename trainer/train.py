@@ -101,11 +101,9 @@ class Trainer:
             self.device = torch.device("cpu")
         dist.init_process_group(backend=backend)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        root = logging.getLogger()
-        root.handlers[0].setFormatter(
-            logging.Formatter(f"%(asctime)s [rank {self.rank}] %(levelname)s %(name)s: %(message)s"))
-        if self.rank != 0:  # one voice for progress; warnings and errors still come from every rank
-            root.setLevel(logging.WARNING)
+        # One voice for progress; warnings and errors still come from every rank.
+        logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, force=True,
+                            format=f"%(asctime)s [rank {self.rank}] %(levelname)s %(name)s: %(message)s")
 
     # -- state -------------------------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert all(run.info.status == "FINISHED" for run in children)
     losses = client.get_metric_history(by_step["train"].info.run_id, "loss")
     assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
+    stalls = client.get_metric_history(by_step["train"].info.run_id, "checkpoint_blocking_seconds")
+    assert [m.step for m in stalls] == [3, 6]  # checkpoint.interval_steps=3
     assert by_step["validate"].data.metrics["checks_passed"] == 4
     assert by_step["stage"].data.metrics["objects"] == 4
 

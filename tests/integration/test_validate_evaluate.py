@@ -32,7 +32,7 @@ def test_flipped_byte_in_a_shard_fails_naming_the_file(checkpoint_copy):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: sha256 differs"):
+    with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: content hash \(xxh3_128\) differs"):
         validate_checkpoint(checkpoint_copy)
 
 

@@ -27,7 +27,7 @@ def test_flipped_byte_is_caught(tmp_path):
     data[500] ^= 0x01
     (folder / "__0_0.distcp").write_bytes(bytes(data))
     result = verify_checkpoint(folder)
-    assert not result.ok and "__0_0.distcp: sha256 differs" in result.problems[0]
+    assert not result.ok and "__0_0.distcp: content hash (xxh3_128) differs" in result.problems[0]
 
 
 def test_truncated_shard_is_caught(tmp_path):
