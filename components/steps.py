@@ -121,11 +121,31 @@ def train_step(cfg: Config, data_dir: str) -> dict[str, Any]:
         result = run_local_training(cfg, Path(data_dir))
         tracking.log_metric_records(client, run_id, read_metrics(Path(result["metrics_file"])))
         tracking.log_metric_records(client, run_id, checkpoint_metric_records(cfg.run_dir))
+        log_recovery(client, run_id, cfg, result)
         client.log_artifact(run_id, str(cfg.run_dir / "train.log"))
         if result.get("checkpoint") is None:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
         _write_json(cfg.run_dir / STEPS_DIR / "train.json", result)
     return result
+
+
+def log_recovery(client, run_id: str, cfg: Config, result: dict[str, Any]) -> None:
+    """Recovery events as an MLflow table, plus their totals and the job's goodput as metrics."""
+    from trainer.events import read_events
+
+    recoveries = read_events(cfg.run_dir, "recovery")
+    faults = read_events(cfg.run_dir, "fault")
+    totals = {"step": result["steps"], "faults_injected": len(faults), "recoveries": len(recoveries),
+              "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries),
+              "recovery_seconds_total": sum(r["recovery_seconds"] or 0.0 for r in recoveries),
+              "goodput": result.get("goodput") or 0.0}
+    for mechanism in sorted({r["mechanism"] for r in recoveries}):
+        totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
+    tracking.log_metric_records(client, run_id, [totals])
+    if recoveries:
+        columns = sorted({key for r in recoveries for key in r})
+        client.log_table(run_id, data={c: [r.get(c) for r in recoveries] for c in columns},
+                         artifact_file="recovery_events.json")
 
 
 def validate_step(cfg: Config, checkpoint: str) -> dict[str, Any]:
@@ -153,16 +173,10 @@ def evaluate_step(cfg: Config, checkpoint: str, data_dir: str) -> dict[str, Any]
     return result
 
 
-def recovery_events(cfg: Config) -> list[dict[str, Any]]:
-    """Recovery events the trainer recorded (events.jsonl), oldest first."""
-    path = cfg.run_dir / "events.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
     """Exit handler: compose summary.json from the step results and close the MLflow parent run."""
+    from trainer.events import read_events
+
     steps = {name: read_step_result(cfg, name) for name in ("prepare", "stage", "train", "validate", "evaluate")}
     errors = []
     for path in sorted((cfg.run_dir / STEPS_DIR).glob("*.error.json")):
@@ -184,7 +198,8 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "final_train_loss": train.get("final_loss"),
         "heldout_loss": evaluate.get("heldout_loss"),
         "heldout_perplexity": evaluate.get("perplexity"),
-        "recovery_events": recovery_events(cfg),
+        "recovery_events": read_events(cfg.run_dir, "recovery"),
+        "goodput": train.get("goodput"),
         "errors": errors,
         "steps": steps,
         "finished_at": time.time(),

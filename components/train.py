@@ -11,8 +11,11 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -23,54 +26,94 @@ log = logging.getLogger(__name__)
 
 
 # torch prefixes each rank's traceback lines with "[rankN]: ".
-_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Interrupt): \S.*)$")
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Interrupt|Fault): \S.*)$")
+# ft_launcher logs its failed NVML probe on machines without NVIDIA drivers; expected on CPU, not a cause.
+_EXPECTED_NOISE = ("libnvidia-ml.so",)
 
 
 class TrainingError(RuntimeError):
     """Training exited with an error or ran out of time; the message holds the log's tail and its path."""
 
 
-def torchrun_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer",
+def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
+    """ft_launcher (in-job restarts, hang detection) or plain torchrun, on this machine."""
+    from trainer import nvrx_compat
+
+    r = cfg.resilience
+    if r.launcher == "ft_launcher":
+        launcher = [*nvrx_compat.ft_launcher_command(),
+                    *nvrx_compat.ft_launcher_flags(r.initial_heartbeat_timeout, r.heartbeat_timeout, r.max_restarts)]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--max-restarts={r.max_restarts}"]
+    return [*launcher, "--standalone", f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer",
             "--config", str(config_path), "--data-dir", str(data_dir)]
 
 
 def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
-    """Run torchrun to completion, streaming its output to <run dir>/train.log; returns result.json."""
+    """Launch training and relaunch the whole job (up to resilience.job_restarts times) when the launcher
+    gives up; output streams to <run dir>/train.log. Returns result.json plus wall time and goodput."""
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
-    log_path = run_dir / "train.log"
-    command = torchrun_command(cfg, config_path, data_dir)
-    log.info("launching: %s", " ".join(command))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           # torchrun itself imports pynvml through torch.cuda; its deprecation notice is noise.
+    started = time.time()
+    for attempt in range(cfg.resilience.job_restarts + 1):
+        try:
+            _launch_once(cfg, config_path, data_dir, attempt)
+            break
+        except TrainingError as err:
+            if attempt == cfg.resilience.job_restarts:
+                raise
+            log.warning("training job failed (attempt %d of %d), relaunching: %s", attempt + 1,
+                        cfg.resilience.job_restarts + 1, str(err).splitlines()[0])
+    result_path = run_dir / "result.json"
+    if not result_path.is_file():
+        raise TrainingError(f"training finished but wrote no {result_path}; log: {run_dir / 'train.log'}")
+    result = json.loads(result_path.read_text())
+    wall = time.time() - started
+    productive = sum(r["step_seconds"] for r in read_metrics(run_dir / "metrics.jsonl"))
+    result.update(job_wall_seconds=wall, productive_seconds=productive, goodput=productive / wall if wall else None)
+    return result
+
+
+def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int) -> None:
+    from trainer.resilience import JOB_ATTEMPT_ENV, LAUNCHER_ENV
+
+    log_path = cfg.run_dir / "train.log"
+    command = launch_command(cfg, config_path, data_dir)
+    log.info("launching (attempt %d): %s", attempt + 1, " ".join(command))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: cfg.resilience.launcher, JOB_ATTEMPT_ENV: str(attempt),
+           # the launcher itself imports pynvml through torch.cuda; its deprecation notice is noise.
            "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
     tail: deque[str] = deque(maxlen=40)
     errors: list[str] = []  # "SomeError: message" lines from the ranks' tracebacks
+
+    def pump(stream, log_file) -> None:
+        for line in stream:
+            log_file.write(line)
+            log_file.flush()
+            tail.append(line)
+            if (match := _EXCEPTION_LINE.match(line.rstrip())) and not any(n in line for n in _EXPECTED_NOISE):
+                errors.append(match.group(1))
+            sys.stdout.write(line)
+
+    # A session of its own: on timeout the launcher, every rank and their helpers are killed together.
     with log_path.open("a") as log_file, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                         text=True, env=env) as proc:
+                                                         text=True, env=env, start_new_session=True) as proc:
+        reader = threading.Thread(target=pump, args=(proc.stdout, log_file), daemon=True)
+        reader.start()
         try:
-            for line in proc.stdout:
-                log_file.write(line)
-                tail.append(line)
-                if match := _EXCEPTION_LINE.match(line.rstrip()):
-                    errors.append(match.group(1))
-                sys.stdout.write(line)
             returncode = proc.wait(timeout=cfg.training.timeout_seconds)
         except subprocess.TimeoutExpired as err:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             raise TrainingError(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; "
                                 f"log: {log_path}") from err
+        finally:
+            reader.join(timeout=10)
     if returncode != 0:
         causes = "\n".join(dict.fromkeys(errors)) or "".join(tail)
         raise TrainingError(f"training exited with code {returncode}; log: {log_path}\n{causes}")
-    result_path = run_dir / "result.json"
-    if not result_path.is_file():
-        raise TrainingError(f"training finished but wrote no {result_path}; log: {log_path}")
-    return json.loads(result_path.read_text())
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:

@@ -75,11 +75,16 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
         f"  steps trained      {summary['steps_trained'] if summary['steps_trained'] is not None else 'n/a'}",
         f"  final train loss   {fmt(summary['final_train_loss'])}",
         f"  held-out loss      {fmt(summary['heldout_loss'])} (perplexity {fmt(summary['heldout_perplexity'], '.2f')})",
-        f"  recovery events    {len(summary['recovery_events'])}",
+        f"  recovery events    {len(summary['recovery_events'])}"
+        + (f" (goodput {summary['goodput']:.0%})" if summary.get("goodput") else ""),
         f"  checkpoint         {summary['checkpoint'] or 'n/a'}",
         f"  MLflow run         {summary['mlflow_parent_run_id']} (experiment {summary['mlflow_experiment']})",
         f"  wall time          {summary.get('pipeline_wall_seconds', 0):.1f} s",
     ]
+    for event in summary["recovery_events"]:
+        lines.append(f"    {event['fault_type']} on rank {event['fault_rank']} at step {event['fault_step']}: "
+                     f"{event['mechanism']} restart, reloaded step {event['reloaded_step']} from {event['reload_source']}, "
+                     f"{event['lost_steps']} steps lost, {_seconds(event['recovery_seconds'])} to the next step")
     for error in summary["errors"]:
         lines.append(f"  FAILED at {error['step']}: {error['error_type']}: {error['message']}")
     uri = summary["mlflow_tracking_uri"]
@@ -87,6 +92,10 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
         lines.append(f"  MLflow UI          mlflow ui --backend-store-uri {uri} --port 5000")
     lines.append(str(summary_path))
     print("\n".join(lines))  # the CLI's final summary; the last line is the summary's path for scripts
+
+
+def _seconds(value) -> str:
+    return "n/a" if value is None else f"{value:.1f} s"
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:

@@ -259,6 +259,68 @@ class CheckpointConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    """Recovery layers: ft_launcher (in-job restart) and a bounded relaunch of the whole job."""
+
+    launcher: Literal["ft_launcher", "torchrun"] = "ft_launcher"
+    """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
+    while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
+
+    max_restarts: int = 3
+    """In-job restarts before the launcher gives up (then the job-level relaunch takes over)."""
+
+    initial_heartbeat_timeout: float = 120.0
+    """Seconds a worker may take from start to its first heartbeat (imports, model build, checkpoint load)."""
+
+    heartbeat_timeout: float = 60.0
+    """Seconds without a heartbeat (one per step) after which ft_launcher declares a rank hung and restarts."""
+
+    job_restarts: int = 1
+    """Relaunches of the whole training job after the launcher gives up (locally; a TrainJob restart on EKS)."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_restarts >= 0, "resilience.max_restarts", "must be >= 0")
+        _require(self.job_restarts >= 0, "resilience.job_restarts", "must be >= 0")
+        _require(self.initial_heartbeat_timeout > 0, "resilience.initial_heartbeat_timeout", "must be > 0")
+        _require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
+
+
+FAULT_TYPES = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash")
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for drills, tests and benchmarks; off unless a schedule is given. Always logged."""
+
+    schedule: str = ""
+    """Comma-separated faults, TYPE@STEP or TYPE@t=SECONDS with an optional :rank=R, e.g.
+    'sigkill@120:rank=1, hang@200'. Types: exception, hang, hang_in_collective, sigkill, exit (OOM-like,
+    code 137), slow_rank, checkpoint_writer_crash. Each fault fires once per run, so a replayed step does not
+    fire it again."""
+
+    mtbf_steps: float = 0.0
+    """Add a seeded random schedule with this mean number of steps between faults (0: none)."""
+
+    random_types: str = "exception,sigkill"
+    """Fault types the random schedule draws from (comma-separated)."""
+
+    seed: int = 0
+    """Seed of the random schedule (fault steps, types and ranks)."""
+
+    slow_seconds: float = 5.0
+    """How long a slow_rank fault stalls its rank."""
+
+    def __post_init__(self) -> None:
+        _require(self.mtbf_steps >= 0, "faults.mtbf_steps", "must be >= 0")
+        _require(self.slow_seconds >= 0, "faults.slow_seconds", "must be >= 0")
+        for name in (t.strip() for t in self.random_types.split(",") if t.strip()):
+            _require(name in FAULT_TYPES, "faults.random_types", f"{name!r} is not one of {list(FAULT_TYPES)}")
+        from trainer.faults import parse_schedule  # validates the grammar, naming the bad item
+
+        parse_schedule(self.schedule)
+
+
+@dataclass
 class EvalConfig:
     """Held-out evaluation of the validated checkpoint."""
 
@@ -311,6 +373,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     local: LocalConfig = field(default_factory=LocalConfig)

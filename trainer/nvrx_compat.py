@@ -62,3 +62,32 @@ def async_request(writer, plan_result: tuple, on_finalized: Callable[[], None]):
 
     kwargs = {"preload_fn": preload_fn} if preload_fn is not None else {}
     return AsyncRequest(save_fn, save_args, [finalize], **kwargs)
+
+
+# -- fault tolerance (ft_launcher) -----------------------------------------------------------------
+
+
+def ft_launcher_command() -> list[str]:
+    """The ft_launcher entry point, run with this interpreter (same module path in 0.4.1 and >= 0.6)."""
+    import sys
+
+    return [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
+
+
+def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float, max_restarts: int) -> list[str]:
+    """Flags spelled the same in 0.4.1 and >= 0.5; timeouts always passed (their defaults differ by version)."""
+    return [f"--max-restarts={max_restarts}",
+            f"--ft-initial-rank-heartbeat-timeout={initial_heartbeat_timeout}",
+            f"--ft-rank-heartbeat-timeout={heartbeat_timeout}"]
+
+
+def under_ft_launcher() -> bool:
+    import os
+
+    return bool(os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"))
+
+
+def rank_monitor_client():
+    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+    return RankMonitorClient()

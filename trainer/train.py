@@ -34,6 +34,7 @@ from trainer.checkpointer import CheckpointManager
 from trainer.config import Config, ConfigError, load_config
 from trainer.data import TokenBatches, load_meta
 from trainer.events import EventLog
+from trainer.resilience import Resilience
 from trainer.model import load_or_build_model, shard_model
 
 log = logging.getLogger("trainer")
@@ -81,6 +82,8 @@ class Trainer:
                       "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
                       "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         )
+        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events)
+        self.resilience.start()
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -136,10 +139,12 @@ class Trainer:
     def maybe_resume(self) -> None:
         if not self.cfg.checkpoint.resume:
             return
+        load_started, started = time.time(), time.perf_counter()
         state = self.state_dict()
         if self.checkpointer.load_latest(state, optional=("rng",)) is not None:
             self.load_state_dict(state)
             log.info("resuming at step %d", self.step)
+        self.resilience.note_resume(self.step, load_started, time.perf_counter() - started)
 
     # -- loop --------------------------------------------------------------------------------------
 
@@ -188,6 +193,7 @@ class Trainer:
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
                              metrics["tokens_per_second"])
                 self.checkpointer.maybe_save(self.step, self.state_dict, last=not self.should_continue_training())
+                self.resilience.after_step(self.step)
         self.checkpointer.maybe_save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
         self.checkpointer.wait()
         result = {"steps": self.step, "steps_this_launch": self.step - started_at_step,
@@ -203,6 +209,7 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        self.resilience.close()
         self.checkpointer.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from components.train import read_metrics, run_local_training, torchrun_command
+from components.train import read_metrics, run_local_training, launch_command
 from trainer.checkpoint import committed_checkpoints, latest_valid_checkpoint, verify_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ def _start(cfg, token_dir):
     config_path.write_text(cfg.to_yaml())
     log = (cfg.run_dir / "train.log").open("a")
     # A new session: killpg reaches torchrun, both ranks and their checkpoint daemon processes at once.
-    return subprocess.Popen(torchrun_command(cfg, config_path, token_dir), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(launch_command(cfg, config_path, token_dir), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 

@@ -26,7 +26,8 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def successful_run(work):
-    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e", *FAST, cwd=work)
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e", *FAST,
+                   "--faults.schedule=sigkill@4:rank=1", cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
@@ -40,7 +41,11 @@ def test_run_prints_summary_path_last_and_summary_has_the_outcome(successful_run
     assert summary["final_train_loss"] < 5.5 and summary["heldout_loss"] < 5.5
     assert summary["checkpoint"].endswith("checkpoints/step-000006")
     assert summary["mlflow_tracking_uri"] == f"sqlite:///{work}/mlflow.db"
-    assert summary["recovery_events"] == []
+    [recovery] = summary["recovery_events"]
+    assert recovery["fault_type"] == "sigkill" and recovery["mechanism"] == "ft_launcher"
+    assert recovery["fault_step"] == 4 and recovery["lost_steps"] == 4 - recovery["reloaded_step"]
+    assert 0 < summary["goodput"] < 1
+    assert "sigkill on rank 1 at step 4: ft_launcher restart" in successful_run.stdout
     assert "mlflow ui --backend-store-uri" in successful_run.stdout
 
 
@@ -67,6 +72,9 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert [m.step for m in stalls] == [3, 6]  # checkpoint.interval_steps=3
     assert by_step["validate"].data.metrics["checks_passed"] == 4
     assert by_step["stage"].data.metrics["objects"] == 4
+    train = by_step["train"]
+    assert train.data.metrics["recoveries"] == 1 and train.data.metrics["recoveries_ft_launcher"] == 1
+    assert "recovery_events.json" in [a.path for a in client.list_artifacts(train.info.run_id)]
 
 
 def test_missing_bucket_fails_clearly_and_touches_nothing_saved(successful_run, work):

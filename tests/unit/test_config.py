@@ -113,3 +113,19 @@ def test_derived_paths(tmp_path):
     assert cfg.checkpoint_dir == cfg.run_dir / "checkpoints"
     assert cfg.tracking_uri == f"sqlite:///{tmp_path}/mlflow.db"
     assert cfg.data.bucket == "resilient-train-data" and cfg.data.prefix == "datasets/demo"
+
+
+def test_fault_schedule_grammar():
+    from trainer.faults import Fault, parse_schedule, random_schedule
+
+    assert parse_schedule("sigkill@120:rank=1, hang@t=30s, exception@5") == [
+        Fault("sigkill", 120, None, 1), Fault("hang", None, 30.0, 0), Fault("exception", 5, None, 0)]
+    with pytest.raises(ConfigError, match=r"faults.schedule: 'sigkil@3' must look like|'sigkil' in"):
+        load_config(None, ["--faults.schedule=sigkil@3"])
+    with pytest.raises(ConfigError, match=r"faults.schedule: 'sigkill@soon' must look like TYPE@STEP"):
+        load_config(None, ["--faults.schedule=sigkill@soon"])
+    with pytest.raises(ConfigError, match="faults.random_types: 'meteor'"):
+        load_config(None, ["--faults.random_types=exception,meteor"])
+    schedule = random_schedule(1000, 100.0, ["exception", "sigkill"], world_size=2, seed=3)
+    assert schedule == random_schedule(1000, 100.0, ["exception", "sigkill"], world_size=2, seed=3)
+    assert 4 <= len(schedule) <= 20 and all(1 <= f.step < 1000 and f.rank in (0, 1) for f in schedule)

@@ -1,0 +1,139 @@
+"""Resilience inside a training process: ft_launcher heartbeats, fault injection and recovery records.
+
+The training loop touches this in one place, ``resilience.after_step(step)``, and reports its resume with
+``resilience.note_resume(...)``. Everything here is a no-op when not needed: no heartbeats unless the
+process runs under ft_launcher, no faults unless a schedule is configured, no recovery record on a first
+launch.
+
+A recovery record (event ``recovery``) is written by rank 0 after the first step of a restarted launch:
+fault type, rank and step (from the fault event, or ``unknown`` for a real crash), mechanism, restart
+iteration, reloaded step and source, lost steps, and the split of the recovery time — detect + tear down
+(fault → this process started), re-init (start → checkpoint load begins), reload, first step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Config
+from trainer.events import EventLog, read_events
+from trainer.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
+
+log = logging.getLogger(__name__)
+
+LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
+JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
+
+
+class Heartbeat:
+    """ft_launcher's rank monitor client when the process runs under ft_launcher; otherwise nothing."""
+
+    def __init__(self) -> None:
+        from trainer import nvrx_compat
+
+        self.client = nvrx_compat.rank_monitor_client() if nvrx_compat.under_ft_launcher() else None
+        if self.client is not None:
+            self.client.init_workload_monitoring()
+
+    def beat(self) -> None:
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+
+
+class Resilience:
+    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog):
+        import psutil
+
+        self.cfg = cfg
+        self.rank = rank
+        self.events = events
+        self.process_started_at = psutil.Process().create_time()
+        self.restart_iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
+        self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
+        self.heartbeat = Heartbeat()
+
+        faults = parse_schedule(cfg.faults.schedule)
+        if cfg.faults.mtbf_steps > 0:
+            types = [t.strip() for t in cfg.faults.random_types.split(",") if t.strip()]
+            faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types, world_size,
+                                      cfg.faults.seed)
+        self.injector = FaultInjector(faults, rank, events, fired_fault_keys(cfg.run_dir),
+                                      run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds)
+        self._resume: dict[str, Any] | None = None
+        self._first_step_done = False
+
+    def _run_started_at(self) -> float:
+        launches = read_events(self.cfg.run_dir, "launch")
+        return launches[0]["time"] if launches else time.time()
+
+    def start(self) -> None:
+        """Called once the process group is up: record this launch (rank 0)."""
+        if self.rank == 0:
+            self.events.write("launch", launcher=self.launcher, restart_iteration=self.restart_iteration,
+                              job_attempt=self.job_attempt, process_started_at=self.process_started_at)
+
+    def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float) -> None:
+        self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
+                        "load_seconds": load_seconds}
+
+    @property
+    def is_restart(self) -> bool:
+        return self.restart_iteration > 0 or self.job_attempt > 0
+
+    def after_step(self, step: int) -> None:
+        """The loop's one call per step: heartbeat, the recovery record after a restart, injected faults."""
+        self.heartbeat.beat()
+        if not self._first_step_done:
+            self._first_step_done = True
+            if self.rank == 0 and self.is_restart:
+                self._record_recovery(step)
+        self.injector.maybe_inject(step)
+
+    def _record_recovery(self, step: int) -> None:
+        now = time.time()
+        recovered = {e.get("fault_key") for e in read_events(self.cfg.run_dir, "recovery")}
+        faults = [e for e in read_events(self.cfg.run_dir, "fault")
+                  if e["key"] not in recovered and e["time"] < self.process_started_at]
+        fault = faults[-1] if faults else None
+        resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0}
+        fault_time = fault["time"] if fault else None
+        mechanism = self.launcher if self.restart_iteration > 0 else "job_restart"
+        record = {
+            "fault_key": fault["key"] if fault else None,
+            "fault_type": fault["fault_type"] if fault else "unknown",
+            "fault_rank": fault["rank"] if fault else None,
+            "fault_step": fault["step"] if fault else None,
+            "fault_time": fault_time,
+            "mechanism": mechanism,
+            "restart_iteration": self.restart_iteration if self.restart_iteration > 0 else self.job_attempt,
+            "reloaded_step": resume["reloaded_step"],
+            "reload_source": "disk" if resume["reloaded_step"] else "none",
+            "lost_steps": (fault["step"] - resume["reloaded_step"]) if fault else None,
+            "detect_and_teardown_seconds": (self.process_started_at - fault_time) if fault_time else None,
+            "reinit_seconds": resume["load_started"] - self.process_started_at,
+            "reload_seconds": resume["load_seconds"],
+            "first_step_seconds": now - (resume["load_started"] + resume["load_seconds"]),
+            "recovery_seconds": (now - fault_time) if fault_time else None,
+            "first_step": step,
+        }
+        self.events.write("recovery", **record)
+        log.warning("recovered from %s (rank %s, step %s) by %s: reloaded step %d, lost %s steps, %.1f s",
+                    record["fault_type"], record["fault_rank"], record["fault_step"], mechanism,
+                    record["reloaded_step"], record["lost_steps"], record["recovery_seconds"] or float("nan"))
+
+    def close(self) -> None:
+        self.heartbeat.close()
+
+
+def read_recoveries(run_dir: Path) -> list[dict[str, Any]]:
+    return read_events(run_dir, "recovery")
