@@ -89,7 +89,11 @@ class TorchAsyncBackend:
 
         self.nice = nice
         self._reniced: set[int] = set()
-        self.group = dist.new_group(backend="gloo")
+        import datetime
+
+        # Its own group with a long timeout: background writes may take minutes, and the main group's
+        # timeout can be short (in-process restart on gloo).
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
         on_cuda = device.type == "cuda"
         # Shared memory: the background process reads the staged tensors in place instead of receiving
         # pickled copies. The stager caches these buffers, so later saves copy into warm memory.
@@ -300,10 +304,13 @@ class CheckpointManager:
             self._commit_future.result()
             self._commit_future = None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if not self.enabled:
             return
-        self.wait()
+        if wait:
+            self.wait()
+        else:
+            self._in_flight = None  # never committed: stays a .tmp folder, dropped by the next save of that step
         self.backend.close()
         if self._commits is not None:
             self._commits.shutdown(wait=True)

@@ -262,6 +262,20 @@ class CheckpointConfig:
 class ResilienceConfig:
     """Recovery layers: ft_launcher (in-job restart) and a bounded relaunch of the whole job."""
 
+    in_process: bool = False
+    """Layer 1: NVRx in-process restart (inprocess.Wrapper) — a Python exception or hang is recovered without
+    ending the processes: the process group is rebuilt and state reloaded. Process deaths go to layer 2."""
+
+    in_process_max_restarts: int = 3
+    """In-process restarts per launch before a fault escalates to the launcher (layer 2)."""
+
+    collective_timeout: float = 5.0
+    """gloo collective timeout (seconds) under in-process restart: on gloo only this timeout releases a
+    rank blocked in a collective whose peer failed, so it must stay below soft_timeout."""
+
+    soft_timeout: float = 20.0
+    """In-process: seconds without progress (one ping per step) before a rank is declared hung."""
+
     launcher: Literal["ft_launcher", "torchrun"] = "ft_launcher"
     """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
     while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
@@ -283,6 +297,9 @@ class ResilienceConfig:
         _require(self.job_restarts >= 0, "resilience.job_restarts", "must be >= 0")
         _require(self.initial_heartbeat_timeout > 0, "resilience.initial_heartbeat_timeout", "must be > 0")
         _require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
+        _require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
+        _require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",
+                 f"must be in (0, resilience.soft_timeout={self.soft_timeout})")
 
 
 FAULT_TYPES = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash")

@@ -107,14 +107,14 @@ class FaultInjector:
             os._exit(137)  # what the kernel's OOM killer leaves as the exit status
         if fault.type == "hang":
             while True:  # stops making progress and heartbeats, outside any collective
-                time.sleep(3600)
+                time.sleep(0.1)  # short sleeps: an in-process restart can interrupt the thread between them
         if fault.type == "hang_in_collective":
             import torch
             import torch.distributed as dist
 
             dist.all_reduce(torch.zeros(1))  # no other rank joins: blocks inside the collective
-            while True:
-                time.sleep(3600)
+            while True:  # reached only if the collective times out without raising
+                time.sleep(0.1)
         if fault.type == "slow_rank":
             time.sleep(self.slow_seconds)
         if fault.type == "checkpoint_writer_crash":

@@ -91,3 +91,42 @@ def rank_monitor_client():
     from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
     return RankMonitorClient()
+
+
+# -- in-process restart --------------------------------------------------------------------------------
+
+
+def in_process_wrapper(*, store_port: int, soft_timeout: float, max_restarts: int, on_cuda: bool):
+    """inprocess.Wrapper configured for this project, on CPU/gloo as on CUDA/NCCL.
+
+    - Abort: NVRx's AbortTorchDistributed aborts NCCL only (on a CPU build its error is swallowed, then it
+      destroys the process group); on gloo that destroy is the abort — a rank blocked in a collective is
+      released by the group's own short timeout (resilience.collective_timeout).
+    - Health checks: CudaHealthCheck on CUDA; none on CPU. NVRx >= 0.5 also chains GPU/NIC checks when
+      LOCAL_RANK is set, which fail without NVML, so LOCAL_RANK is hidden while the Wrapper is built.
+    """
+    import datetime
+    import os
+
+    from nvidia_resiliency_ext import inprocess
+
+    seconds = datetime.timedelta(seconds=1)
+    kwargs = dict(
+        store_kwargs={"port": store_port},
+        abort=inprocess.abort.AbortTorchDistributed(),
+        health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,
+        # The first call is iteration 0: N restarts need N + 1 iterations.
+        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1),
+        soft_timeout=soft_timeout * seconds,
+        hard_timeout=(soft_timeout + 15) * seconds,
+        heartbeat_timeout=(soft_timeout + 10) * seconds,
+        barrier_timeout=(soft_timeout + 60) * seconds,
+        completion_timeout=(soft_timeout + 60) * seconds,
+        last_call_wait=seconds,
+    )
+    hidden = None if on_cuda else os.environ.pop("LOCAL_RANK", None)
+    try:
+        return inprocess.Wrapper(**kwargs)
+    finally:
+        if hidden is not None:
+            os.environ["LOCAL_RANK"] = hidden

@@ -50,13 +50,17 @@ class Heartbeat:
 
 
 class Resilience:
-    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog):
+    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, in_process=None):
         import psutil
 
         self.cfg = cfg
         self.rank = rank
         self.events = events
-        self.process_started_at = psutil.Process().create_time()
+        self.in_process = in_process
+        # For an in-process restart the "process" that restarts is the attempt, not the OS process.
+        self.process_started_at = in_process.started_at if in_process else psutil.Process().create_time()
+        self.in_process_iteration = in_process.iteration if in_process else 0
+        self.ping = in_process.ping if in_process else (lambda: None)
         self.restart_iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
@@ -80,7 +84,8 @@ class Resilience:
         """Called once the process group is up: record this launch (rank 0)."""
         if self.rank == 0:
             self.events.write("launch", launcher=self.launcher, restart_iteration=self.restart_iteration,
-                              job_attempt=self.job_attempt, process_started_at=self.process_started_at)
+                              job_attempt=self.job_attempt, in_process_iteration=self.in_process_iteration,
+                              process_started_at=self.process_started_at)
 
     def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float) -> None:
         self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
@@ -88,11 +93,21 @@ class Resilience:
 
     @property
     def is_restart(self) -> bool:
-        return self.restart_iteration > 0 or self.job_attempt > 0
+        return self.in_process_iteration > 0 or self.restart_iteration > 0 or self.job_attempt > 0
+
+    @property
+    def mechanism(self) -> tuple[str, int]:
+        """The innermost layer that restarted this attempt, and its iteration."""
+        if self.in_process_iteration > 0:
+            return "in_process", self.in_process_iteration
+        if self.restart_iteration > 0:
+            return self.launcher, self.restart_iteration
+        return "job_restart", self.job_attempt
 
     def after_step(self, step: int) -> None:
         """The loop's one call per step: heartbeat, the recovery record after a restart, injected faults."""
         self.heartbeat.beat()
+        self.ping()
         if not self._first_step_done:
             self._first_step_done = True
             if self.rank == 0 and self.is_restart:
@@ -107,7 +122,7 @@ class Resilience:
         fault = faults[-1] if faults else None
         resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0}
         fault_time = fault["time"] if fault else None
-        mechanism = self.launcher if self.restart_iteration > 0 else "job_restart"
+        mechanism, iteration = self.mechanism
         record = {
             "fault_key": fault["key"] if fault else None,
             "fault_type": fault["fault_type"] if fault else "unknown",
@@ -115,7 +130,7 @@ class Resilience:
             "fault_step": fault["step"] if fault else None,
             "fault_time": fault_time,
             "mechanism": mechanism,
-            "restart_iteration": self.restart_iteration if self.restart_iteration > 0 else self.job_attempt,
+            "restart_iteration": iteration,
             "reloaded_step": resume["reloaded_step"],
             "reload_source": "disk" if resume["reloaded_step"] else "none",
             "lost_steps": (fault["step"] - resume["reloaded_step"]) if fault else None,

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from trainer.config import Config, ConfigError, load_config
 from trainer.data import TokenBatches, load_meta
 from trainer.events import EventLog
 from trainer.resilience import Resilience
+
+if TYPE_CHECKING:
+    from trainer.in_process import InProcessAttempt
 from trainer.model import load_or_build_model, shard_model
 
 log = logging.getLogger("trainer")
@@ -52,8 +55,9 @@ def lr_at(step: int, cfg: Config) -> float:
 class Trainer:
     """Owns the model, optimizer, data and checkpointing of one training process."""
 
-    def __init__(self, cfg: Config, data_dir: Path):
+    def __init__(self, cfg: Config, data_dir: Path, in_process: "InProcessAttempt | None" = None):
         self.cfg = cfg
+        self.in_process = in_process
         self.data_dir = Path(data_dir)
         self.step = 0  # optimizer steps completed
         self.last_loss = float("nan")
@@ -82,7 +86,7 @@ class Trainer:
                       "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
                       "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         )
-        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events)
+        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, in_process=in_process)
         self.resilience.start()
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
 
@@ -102,7 +106,17 @@ class Trainer:
         else:
             torch.set_num_threads(self.cfg.training.num_threads)
             self.device = torch.device("cpu")
-        dist.init_process_group(backend=backend)
+        if self.in_process is None:
+            dist.init_process_group(backend=backend)
+        else:  # a fresh group per in-process restart iteration, on the application's own store
+            import datetime
+
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], self.in_process.store_port, world_size,
+                                  is_master=rank == 0, multi_tenant=True, wait_for_workers=True)
+            timeout = datetime.timedelta(seconds=self.cfg.resilience.collective_timeout)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"iter{self.in_process.iteration}", store),
+                                    rank=rank, world_size=world_size, timeout=timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # One voice for progress; warnings and errors still come from every rank.
         logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, force=True,
@@ -208,9 +222,10 @@ class Trainer:
             _atomic_write_json(self.cfg.run_dir / "result.json", result)
         return result
 
-    def close(self) -> None:
+    def close(self, wait_for_checkpoint: bool = True) -> None:
+        """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped."""
         self.resilience.close()
-        self.checkpointer.close()
+        self.checkpointer.close(wait=wait_for_checkpoint)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -271,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         log.error("%s", err)
         return 2
+    if cfg.resilience.in_process:
+        from trainer.in_process import run_with_in_process_restart
+
+        run_with_in_process_restart(cfg, args.data_dir)
+        return 0
     trainer = Trainer(cfg, args.data_dir)
     try:
         trainer.train()

@@ -69,3 +69,29 @@ def test_without_job_restarts_the_failure_is_reported(tmp_path, token_dir, train
                           "--resilience.max_restarts=0", "--resilience.job_restarts=0")
     with pytest.raises(TrainingError, match="InjectedFault: injected exception at step 2 on rank 0"):
         run_local_training(cfg, token_dir)
+
+
+def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path, token_dir, training_config):
+    steps = ["--training.num_steps=20", "--checkpoint.interval_steps=2", "--resilience.heartbeat_timeout=30"]
+    clean = training_config(tmp_path / "clean", "clean", *steps)
+    run_local_training(clean, token_dir)
+
+    # exception and hang: in-process (restarts 1 and 2); the process death goes to ft_launcher; in the new
+    # launch two more exceptions are in-process, and the third exceeds in_process_max_restarts=2: escalated.
+    schedule = ("exception@4:rank=1, hang@8:rank=0, sigkill@12:rank=1, exception@14:rank=0, exception@16:rank=1, "
+                "exception@18:rank=0")
+    faulty = training_config(tmp_path / "faulty", "faulty", *steps, f"--faults.schedule={schedule}",
+                             "--resilience.in_process=true", "--resilience.in_process_max_restarts=2",
+                             "--resilience.job_restarts=0")
+    result = run_local_training(faulty, token_dir)
+
+    assert result["steps"] == 20
+    assert _losses(faulty) == _losses(clean)
+    by_fault = {r["fault_key"]: r for r in read_events(faulty.run_dir, "recovery")}
+    assert by_fault["exception@4:rank=1"]["mechanism"] == "in_process"
+    assert by_fault["hang@8:rank=0"]["mechanism"] == "in_process"
+    assert by_fault["sigkill@12:rank=1"]["mechanism"] == "ft_launcher"
+    assert by_fault["exception@14:rank=0"]["mechanism"] == "in_process"  # a new launch: counting restarts
+    assert by_fault["exception@16:rank=1"]["mechanism"] == "in_process"
+    assert by_fault["exception@18:rank=0"]["mechanism"] == "ft_launcher"  # escalated past the cap
+    assert by_fault["exception@4:rank=1"]["recovery_seconds"] < 15
