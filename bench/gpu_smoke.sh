@@ -6,7 +6,8 @@
 #
 # It installs the project into the machine's Python (the GPU image brings its own torch), makes a small
 # token dataset, trains 30 steps with a checkpoint every 10 (async, NVRx writer), then again with sync
-# saves, and prints both.
+# saves, then once more with an injected exception at step 15 under NVRx in-process restart on NCCL, and
+# prints the stalls, tokens/s and the recovery record.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-smoke}
@@ -37,6 +38,9 @@ for mode in async sync; do
   timeout 150 torchrun --standalone --nproc-per-node 1 -m trainer --data-dir "$OUT/tokens" "${common[@]}" \
     --run.run_id="smoke-$mode" --checkpoint.mode=$mode 2>&1 | tee "$OUT/$mode.log" | grep -E "step [0-9]+/|committed|Error" || true
 done
+timeout 150 torchrun --standalone --nproc-per-node 1 -m trainer --data-dir "$OUT/tokens" "${common[@]}" \
+  --run.run_id=smoke-inprocess --resilience.in_process=true --faults.schedule=exception@15:rank=0 2>&1 \
+  | tee "$OUT/inprocess.log" | grep -E "recovered|injecting|Error" || true
 python3 - "$OUT" <<'PY'
 import json, sys, statistics
 from pathlib import Path
@@ -49,4 +53,6 @@ for mode in ("async", "sync"):
     tps = statistics.median(m["tokens_per_second"] for m in metrics[5:])
     print(f"{mode}: stall per save {['%.3f' % s for s in stalls]} s, median {tps:,.0f} tokens/s, "
           f"mode {read_events(run, 'checkpoint_written')[0]['mode']}")
+for record in read_events(out / "work" / "fsx" / "runs" / "smoke-inprocess", "recovery"):
+    print("in-process recovery on NCCL:", json.dumps(record))
 PY

@@ -289,6 +289,10 @@ class ResilienceConfig:
     heartbeat_timeout: float = 60.0
     """Seconds without a heartbeat (one per step) after which ft_launcher declares a rank hung and restarts."""
 
+    gpu_health_interval_steps: int = 100
+    """Check the GPU through NVML (ECC, retired/remapped memory, critical XIDs) every this many steps;
+    0 turns it off. A no-op on machines without NVIDIA drivers."""
+
     job_restarts: int = 1
     """Relaunches of the whole training job after the launcher gives up (locally; a TrainJob restart on EKS)."""
 

@@ -1,6 +1,7 @@
 """Resilience inside a training process: ft_launcher heartbeats, fault injection and recovery records.
 
-The training loop touches this in one place, ``resilience.after_step(step)``, and reports its resume with
+The training loop touches this in one place, ``resilience.after_step(step)`` (heartbeat, in-process
+progress ping, GPU health check, fault injection), and reports its resume with
 ``resilience.note_resume(...)``. Everything here is a no-op when not needed: no heartbeats unless the
 process runs under ft_launcher, no faults unless a schedule is configured, no recovery record on a first
 launch.
@@ -21,6 +22,7 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.events import EventLog, read_events
+from trainer.health import GpuHealth
 from trainer.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class Heartbeat:
 
 
 class Resilience:
-    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, in_process=None):
+    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None):
         import psutil
 
         self.cfg = cfg
@@ -65,6 +67,7 @@ class Resilience:
         self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
         self.heartbeat = Heartbeat()
+        self.gpu_health = GpuHealth(device, events, cfg.resilience.gpu_health_interval_steps)
 
         faults = parse_schedule(cfg.faults.schedule)
         if cfg.faults.mtbf_steps > 0:
@@ -108,6 +111,7 @@ class Resilience:
         """The loop's one call per step: heartbeat, the recovery record after a restart, injected faults."""
         self.heartbeat.beat()
         self.ping()
+        self.gpu_health.maybe_check(step)
         if not self._first_step_done:
             self._first_step_done = True
             if self.rank == 0 and self.is_restart:

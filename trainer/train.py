@@ -86,7 +86,7 @@ class Trainer:
                       "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
                       "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         )
-        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, in_process=in_process)
+        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, self.device, in_process=in_process)
         self.resilience.start()
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
 

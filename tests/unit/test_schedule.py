@@ -18,3 +18,22 @@ def test_warmup_then_cosine_to_the_floor():
 def test_run_shorter_than_warmup_is_all_warmup():
     cfg = load_config(None, ["--training.num_steps=5", "--training.warmup_steps=20", "--training.lr=1.0"])
     assert [round(lr_at(s, cfg), 3) for s in range(5)] == [0.05, 0.1, 0.15, 0.2, 0.25]
+
+
+def test_xids_that_take_a_node_out_of_service():
+    from trainer.health import classify_xids
+
+    assert classify_xids([13, 31]) == {"xids": [13, 31], "node_bad": False, "node_bad_xids": []}
+    assert classify_xids([79, 94, 94]) == {"xids": [79, 94], "node_bad": True, "node_bad_xids": [94]}
+
+
+def test_gpu_health_is_a_no_op_on_cpu(tmp_path):
+    import torch
+
+    from trainer.events import EventLog
+    from trainer.health import GpuHealth
+
+    health = GpuHealth(torch.device("cpu"), EventLog(tmp_path, 0), interval_steps=1)
+    assert not health.enabled
+    health.maybe_check(1)
+    assert not (tmp_path / "events" / "rank-0.jsonl").exists()
