@@ -23,13 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, demo_token_dir  # noqa: E402  (bench/ is the script's folder)
 
 from components.train import read_metrics, run_local_training  # noqa: E402
-from pipelines.demo_data import demo_files  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.data import tokenize_files  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
@@ -74,12 +71,7 @@ def main() -> int:
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
-        raw = scratch / "raw"
-        raw.mkdir()
-        for name, body in demo_files(2000).items():
-            (raw / name).write_bytes(body)
-        data = scratch / "tokens"
-        tokenize_files(sorted(raw.iterdir()), data, 0.05)
+        data = demo_token_dir(scratch)
 
         runs = {
             "none": _config(scratch, "none", args, "--checkpoint.enabled=false"),

@@ -23,13 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, demo_token_dir  # noqa: E402  (bench/ is the script's folder)
 
 from components.train import run_local_training  # noqa: E402
-from pipelines.demo_data import demo_files  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.data import tokenize_files  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 
 log = logging.getLogger("bench.recovery")
@@ -48,7 +45,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0, help="ft_launcher hang detection (s)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                        help="ft_launcher hang detection (s); above the slowest step incl. the first async save")
     parser.add_argument("--collective-timeout", type=float, default=3.0, help="gloo timeout under in-process (s)")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "recovery.json")
     args = parser.parse_args()
@@ -56,12 +54,7 @@ def main() -> int:
     schedule = "exception@3:rank=1, hang@6:rank=0, sigkill@9:rank=1"
     scratch = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     try:
-        raw = scratch / "raw"
-        raw.mkdir()
-        for name, body in demo_files(2000).items():
-            (raw / name).write_bytes(body)
-        data = scratch / "tokens"
-        tokenize_files(sorted(raw.iterdir()), data, 0.05)
+        data = demo_token_dir(scratch)
 
         results: dict[str, dict] = {}
         splits: dict[str, dict] = {}

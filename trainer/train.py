@@ -183,8 +183,8 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # note: a sync point; the loss is averaged over ranks only for reporting.
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG) if self.world_size > 1 else None
+        if self.world_size > 1:  # note: a sync point; the loss is averaged over ranks only for reporting
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         self.step += 1
         self.last_loss = loss_sum.item() / t.grad_accum_steps
         seconds = time.perf_counter() - started

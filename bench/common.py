@@ -1,0 +1,23 @@
+"""Set-up shared by the benchmarks."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def demo_token_dir(scratch: Path, documents: int = 2000) -> Path:
+    """The demo corpus, tokenized into scratch/tokens (the trainer's input)."""
+    from pipelines.demo_data import demo_files
+    from trainer.data import tokenize_files
+
+    raw = scratch / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name, body in demo_files(documents).items():
+        (raw / name).write_bytes(body)
+    tokenize_files(sorted(raw.iterdir()), scratch / "tokens", 0.05)
+    return scratch / "tokens"
