@@ -326,13 +326,13 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
 
-        # Every rank verifies (the files are shared) and must agree; rank 0's view decides.
-        found = latest_valid_checkpoint(self.directory)
-        choice = [str(found.path) if found else None]
+        # Rank 0 verifies (hashing every file once, not once per rank) and tells the others which to load.
+        found = latest_valid_checkpoint(self.directory) if self.rank == 0 else None
+        choice = [str(found.path) if found else None, int(found.manifest["step"]) if found else None]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
             return None
-        if found is None or str(found.path) != choice[0]:
+        if not Path(choice[0]).is_dir():
             raise RuntimeError(f"rank {self.rank} does not see the checkpoint rank 0 chose ({choice[0]}): "
                                "is the checkpoint directory on a shared file system?")
         stored = FileSystemReader(choice[0]).read_metadata().state_dict_metadata
@@ -342,6 +342,6 @@ class CheckpointManager:
                     log.warning("checkpoint %s has no %s.%s; keeping the current value", choice[0], name, key)
                     del state[name][key]
         dcp.load(state, checkpoint_id=choice[0])
-        self.last_saved_step = int(found.manifest["step"])
-        log.info("resumed from %s", found.path)
+        self.last_saved_step = choice[1]
+        log.info("resumed from %s", choice[0])
         return self.last_saved_step
