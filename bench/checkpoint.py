@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, demo_token_dir  # noqa: E402  (bench/ is the script's folder)
+from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train import read_metrics, run_local_training  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -127,10 +127,8 @@ def main() -> int:
             "load_seconds": load,
             "raw_read_seconds": raw_read,
             "load_over_raw_read": raw_read / load,
-            "command": " ".join(["python", "bench/checkpoint.py", *sys.argv[1:]]),
         }
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(figures, indent=2))
+        write_results(args.output, figures, "bench/checkpoint.py")
         rows = [
             ("params", f"{figures['params'] / 1e6:.1f} M", ""),
             ("state (params + AdamW), all ranks", f"{figures['state_bytes'] / 1e9:.2f} GB", ""),

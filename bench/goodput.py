@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, demo_token_dir  # noqa: E402  (bench/ is the script's folder)
+from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train import read_metrics, run_local_training  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -109,10 +109,8 @@ def main() -> int:
 
         final_losses = {f["final_loss"] for f in figures.values()}
         output = {**figures, "schedule": schedule, "steps": args.steps, "preset": args.preset,
-                  "same_final_loss": len(final_losses) == 1,
-                  "command": " ".join(["python", "bench/goodput.py", *sys.argv[1:]])}
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(output, indent=2))
+                  "same_final_loss": len(final_losses) == 1,}
+        write_results(args.output, output, "bench/goodput.py")
         print(f"\nfault schedule: {schedule}\n")
         print("| configuration | goodput | job goodput | lost steps | faults | recoveries | checkpoint overhead "
               "| wall |\n|---|---|---|---|---|---|---|---|")

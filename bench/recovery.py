@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, demo_token_dir  # noqa: E402  (bench/ is the script's folder)
+from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train import run_local_training  # noqa: E402
 from trainer.config import load_config  # noqa: E402
@@ -76,10 +76,8 @@ def main() -> int:
             log.info("%s: %s", mechanism, results[mechanism])
 
         figures = {**results, "splits": splits, "params_preset": args.preset,
-                   "heartbeat_timeout": args.heartbeat_timeout, "collective_timeout": args.collective_timeout,
-                   "command": " ".join(["python", "bench/recovery.py", *sys.argv[1:]])}
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(figures, indent=2))
+                   "heartbeat_timeout": args.heartbeat_timeout, "collective_timeout": args.collective_timeout,}
+        write_results(args.output, figures, "bench/recovery.py")
 
         def cell(value):
             return "n/a" if value is None else f"{value:.1f} s"

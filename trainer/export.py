@@ -28,7 +28,8 @@ def export_hf(checkpoint: Path, out_dir: Path, *, overwrite: bool = False) -> Pa
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists: choose another folder or pass overwrite=True")
+        raise FileExistsError(f"{out_dir} already exists: choose another folder, or replace it with --overwrite "
+                              "(overwrite=True from Python)")
     verified = verify_checkpoint(checkpoint)
     if not verified.ok:
         raise CheckpointError("; ".join(verified.problems))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from trainer.config import Config
@@ -153,6 +152,3 @@ class Resilience:
     def close(self) -> None:
         self.heartbeat.close()
 
-
-def read_recoveries(run_dir: Path) -> list[dict[str, Any]]:
-    return read_events(run_dir, "recovery")
