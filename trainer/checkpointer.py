@@ -1,7 +1,7 @@
 """The checkpoint manager: one public surface, write backends behind it.
 
     checkpointer.maybe_save(step, trainer.state_dict, last=...)   # the training loop's only call
-    checkpointer.load_latest(state)                                 # at start
+    checkpointer.find_latest() / load(state, path)                  # at start
     checkpointer.close()                                            # waits for the save in flight
 
 Backends write one DCP checkpoint into ``step-N.tmp``:
@@ -317,8 +317,24 @@ class CheckpointManager:
 
     # -- loading -----------------------------------------------------------------------------------
 
-    def load_latest(self, state: dict[str, Any], optional: tuple[str, ...] = ()) -> int | None:
-        """Load the newest valid checkpoint into state in place; its step, or None when there is none.
+    def find_latest(self) -> tuple[Path | None, int | None]:
+        """Collective: the newest valid checkpoint and its step, (None, None) when there is none.
+
+        Rank 0 verifies (hashing every file once, not once per rank) and tells the others which one it is.
+        """
+        found = latest_valid_checkpoint(self.directory) if self.rank == 0 else None
+        choice = [str(found.path) if found else None, int(found.manifest["step"]) if found else None]
+        dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None, None
+        if not Path(choice[0]).is_dir():
+            raise RuntimeError(f"rank {self.rank} does not see the checkpoint rank 0 chose ({choice[0]}): "
+                               "is the checkpoint directory on a shared file system?")
+        self.last_saved_step = choice[1]
+        return Path(choice[0]), choice[1]
+
+    def load(self, state: dict[str, Any], path: Path, optional: tuple[str, ...] = ()) -> None:
+        """Load the checkpoint at path into state in place.
 
         Top-level entries named in `optional` (per-rank RNG, say) are loaded only where the checkpoint
         has them, so a checkpoint from another world size still resumes.
@@ -326,22 +342,18 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader
 
-        # Rank 0 verifies (hashing every file once, not once per rank) and tells the others which to load.
-        found = latest_valid_checkpoint(self.directory) if self.rank == 0 else None
-        choice = [str(found.path) if found else None, int(found.manifest["step"]) if found else None]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return None
-        if not Path(choice[0]).is_dir():
-            raise RuntimeError(f"rank {self.rank} does not see the checkpoint rank 0 chose ({choice[0]}): "
-                               "is the checkpoint directory on a shared file system?")
-        stored = FileSystemReader(choice[0]).read_metadata().state_dict_metadata
+        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         for name in optional:
             for key in list(state.get(name, {})):
                 if not any(k.startswith(f"{name}.{key}") for k in stored):
-                    log.warning("checkpoint %s has no %s.%s; keeping the current value", choice[0], name, key)
+                    log.warning("checkpoint %s has no %s.%s; keeping the current value", path, name, key)
                     del state[name][key]
-        dcp.load(state, checkpoint_id=choice[0])
-        self.last_saved_step = choice[1]
-        log.info("resumed from %s", choice[0])
-        return self.last_saved_step
+        dcp.load(state, checkpoint_id=str(path))
+        log.info("resumed from %s", path)
+
+    def load_latest(self, state: dict[str, Any], optional: tuple[str, ...] = ()) -> int | None:
+        """Load the newest valid checkpoint into state in place; its step, or None when there is none."""
+        path, step = self.find_latest()
+        if path is not None:
+            self.load(state, path, optional)
+        return step

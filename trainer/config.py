@@ -276,6 +276,10 @@ class ResilienceConfig:
     soft_timeout: float = 20.0
     """In-process: seconds without progress (one ping per step) before a rank is declared hung."""
 
+    memory_snapshot_interval_steps: int = 10
+    """In-process: every this many steps each rank keeps a copy of its training state in host memory; a
+    restart reloads it instead of the checkpoint when it is newer and the same step on all ranks. 0 = off."""
+
     launcher: Literal["ft_launcher", "torchrun"] = "ft_launcher"
     """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
     while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
@@ -301,6 +305,8 @@ class ResilienceConfig:
         _require(self.job_restarts >= 0, "resilience.job_restarts", "must be >= 0")
         _require(self.initial_heartbeat_timeout > 0, "resilience.initial_heartbeat_timeout", "must be > 0")
         _require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
+        _require(self.memory_snapshot_interval_steps >= 0, "resilience.memory_snapshot_interval_steps",
+                 "must be >= 0 (0 turns the in-memory copy off)")
         _require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
         _require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",
                  f"must be in (0, resilience.soft_timeout={self.soft_timeout})")

@@ -1,8 +1,8 @@
 """Resilience inside a training process: ft_launcher heartbeats, fault injection and recovery records.
 
-The training loop touches this in one place, ``resilience.after_step(step)`` (heartbeat, in-process
-progress ping, GPU health check, fault injection), and reports its resume with
-``resilience.note_resume(...)``. Everything here is a no-op when not needed: no heartbeats unless the
+The training loop touches this in one place, ``resilience.after_step(step, state_fn)`` (heartbeat,
+in-process progress ping and in-memory copy, GPU health check, fault injection), and reports its resume
+with ``resilience.note_resume(...)``. Everything here is a no-op when not needed: no heartbeats unless the
 process runs under ft_launcher, no faults unless a schedule is configured, no recovery record on a first
 launch.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from trainer.config import Config
 from trainer.events import EventLog, read_events
@@ -62,6 +62,7 @@ class Resilience:
         self.process_started_at = in_process.started_at if in_process else psutil.Process().create_time()
         self.in_process_iteration = in_process.iteration if in_process else 0
         self.ping = in_process.ping if in_process else (lambda: None)
+        self.snapshot = in_process.snapshot if in_process else None
         self.restart_iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
@@ -89,9 +90,14 @@ class Resilience:
                               job_attempt=self.job_attempt, in_process_iteration=self.in_process_iteration,
                               process_started_at=self.process_started_at)
 
-    def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float) -> None:
+    def memory_snapshot_step(self) -> int | None:
+        """Collective under in-process restart: the step of the in-memory copy all ranks agree on, else None."""
+        return self.snapshot.agreed_step() if self.snapshot is not None else None
+
+    def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float,
+                    source: str = "disk") -> None:
         self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
-                        "load_seconds": load_seconds}
+                        "load_seconds": load_seconds, "source": source}
 
     @property
     def is_restart(self) -> bool:
@@ -106,10 +112,13 @@ class Resilience:
             return self.launcher, self.restart_iteration
         return "job_restart", self.job_attempt
 
-    def after_step(self, step: int) -> None:
-        """The loop's one call per step: heartbeat, the recovery record after a restart, injected faults."""
+    def after_step(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> None:
+        """The loop's one call per step: heartbeat, in-memory copy, the recovery record after a restart,
+        injected faults (last, so a fault at step N finds step N's copy on every rank)."""
         self.heartbeat.beat()
         self.ping()
+        if self.snapshot is not None and self.snapshot.due(step):
+            self.snapshot.capture(step, state_fn())
         self.gpu_health.maybe_check(step)
         if not self._first_step_done:
             self._first_step_done = True
@@ -123,7 +132,7 @@ class Resilience:
         faults = [e for e in read_events(self.cfg.run_dir, "fault")
                   if e["key"] not in recovered and e["time"] < self.process_started_at]
         fault = faults[-1] if faults else None
-        resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0}
+        resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0, "source": "none"}
         fault_time = fault["time"] if fault else None
         mechanism, iteration = self.mechanism
         record = {
@@ -135,7 +144,7 @@ class Resilience:
             "mechanism": mechanism,
             "restart_iteration": iteration,
             "reloaded_step": resume["reloaded_step"],
-            "reload_source": "disk" if resume["reloaded_step"] else "none",
+            "reload_source": resume["source"],
             "lost_steps": (fault["step"] - resume["reloaded_step"]) if fault else None,
             "detect_and_teardown_seconds": (self.process_started_at - fault_time) if fault_time else None,
             "reinit_seconds": resume["load_started"] - self.process_started_at,

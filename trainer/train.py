@@ -151,14 +151,26 @@ class Trainer:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
 
     def maybe_resume(self) -> None:
+        """Reload the newest state: the in-memory copy of an in-process restart when it is at least as new
+        as the newest valid checkpoint (and the same step on every rank), else that checkpoint."""
         if not self.cfg.checkpoint.resume:
             return
         load_started, started = time.time(), time.perf_counter()
         state = self.state_dict()
-        if self.checkpointer.load_latest(state, optional=("rng",)) is not None:
+        path, disk_step = self.checkpointer.find_latest()
+        memory_step = self.resilience.memory_snapshot_step()
+        source = None
+        if memory_step is not None and memory_step >= (disk_step or 0):
+            self.resilience.snapshot.restore_into(state)
+            source = "memory"
+        elif path is not None:
+            self.checkpointer.load(state, path, optional=("rng",))
+            source = "disk"
+        if source is not None:
             self.load_state_dict(state)
-            log.info("resuming at step %d", self.step)
-        self.resilience.note_resume(self.step, load_started, time.perf_counter() - started)
+            log.info("resuming at step %d (state from %s)", self.step, source)
+        self.resilience.note_resume(self.step if source else None, load_started, time.perf_counter() - started,
+                                    source or "none")
 
     # -- loop --------------------------------------------------------------------------------------
 
@@ -207,7 +219,7 @@ class Trainer:
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
                              metrics["tokens_per_second"])
                 self.checkpointer.maybe_save(self.step, self.state_dict, last=not self.should_continue_training())
-                self.resilience.after_step(self.step)
+                self.resilience.after_step(self.step, self.state_dict)
         self.checkpointer.maybe_save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
         self.checkpointer.wait()
         result = {"steps": self.step, "steps_this_launch": self.step - started_at_step,

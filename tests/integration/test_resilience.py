@@ -82,7 +82,7 @@ def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path
                 "exception@18:rank=0")
     faulty = training_config(tmp_path / "faulty", "faulty", *steps, f"--faults.schedule={schedule}",
                              "--resilience.in_process=true", "--resilience.in_process_max_restarts=2",
-                             "--resilience.job_restarts=0")
+                             "--resilience.memory_snapshot_interval_steps=1", "--resilience.job_restarts=0")
     result = run_local_training(faulty, token_dir)
 
     assert result["steps"] == 20
@@ -95,3 +95,10 @@ def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path
     assert by_fault["exception@16:rank=1"]["mechanism"] == "in_process"
     assert by_fault["exception@18:rank=0"]["mechanism"] == "ft_launcher"  # escalated past the cap
     assert by_fault["exception@4:rank=1"]["recovery_seconds"] < 15
+    # In-process restarts reload the in-memory copy of the fault's step: nothing lost, nothing read from disk.
+    for key in ("exception@4:rank=1", "hang@8:rank=0", "exception@14:rank=0", "exception@16:rank=1"):
+        assert (by_fault[key]["reload_source"], by_fault[key]["reloaded_step"], by_fault[key]["lost_steps"]) == \
+            ("memory", by_fault[key]["fault_step"], 0), by_fault[key]
+    # A new process has no copy: the launcher's restarts reload from disk.
+    assert by_fault["sigkill@12:rank=1"]["reload_source"] == "disk"
+    assert by_fault["exception@18:rank=0"]["reload_source"] == "disk"
