@@ -50,19 +50,31 @@ def read_step_result(cfg: Config, step: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def tracker(cfg: Config) -> tracking.Tracker:
+    """The run's MLflow writer (spooled in the run folder while the tracking server is unreachable)."""
+    artifact_location = cfg.mlflow.artifact_location
+    if not artifact_location and cfg.tracking_uri.startswith("sqlite:"):
+        artifact_location = (cfg.work_dir / "mlartifacts").as_uri()
+    return tracking.Tracker(cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id, cfg.run_dir,
+                            artifact_location=artifact_location)
+
+
 @contextlib.contextmanager
-def _step(cfg: Config, name: str) -> Iterator[tuple[Any, str]]:
-    """Nested MLflow run + error record for one step."""
+def _step(cfg: Config, name: str) -> Iterator[tuple[tracking.Tracker, str]]:
+    """Nested MLflow run + error record for one step: yields (tracker, the step run's spool key)."""
     steps_dir = cfg.run_dir / STEPS_DIR
     (steps_dir / f"{name}.error.json").unlink(missing_ok=True)  # a retried step starts clean
+    mlflow = tracker(cfg)
+    run = mlflow.start_step(name)
     try:
-        with tracking.step_run(cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id, name) as (client, run_id):
-            yield client, run_id
+        yield mlflow, run
     except BaseException as err:
         _write_json(steps_dir / f"{name}.error.json",
                     {"step": name, "error_type": type(err).__name__, "message": str(err),
                      "traceback": traceback.format_exc()})
+        mlflow.end_run(run, "FAILED")
         raise
+    mlflow.end_run(run, "FINISHED")
 
 
 def _git_commit() -> str:
@@ -77,14 +89,11 @@ def prepare_step(cfg: Config) -> dict[str, Any]:
     """Create the run folder and the MLflow parent run (found again, not duplicated, on a retry)."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
-    artifact_location = cfg.mlflow.artifact_location
-    if not artifact_location and cfg.tracking_uri.startswith("sqlite:"):
-        artifact_location = (cfg.work_dir / "mlartifacts").as_uri()
-    parent = tracking.start_parent_run(
-        cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id, artifact_location=artifact_location,
-        params=tracking.flatten(cfg.to_dict()),
-        tags={"trigger": cfg.run.trigger, "config_hash": cfg.config_hash(), "git_commit": _git_commit(),
-              "run_dir": str(cfg.run_dir)})
+    mlflow = tracker(cfg)
+    mlflow.start_parent(params=tracking.flatten(cfg.to_dict()),
+                        tags={"trigger": cfg.run.trigger, "config_hash": cfg.config_hash(),
+                              "git_commit": _git_commit(), "run_dir": str(cfg.run_dir)})
+    parent = mlflow.run_id()  # None while the tracking server is unreachable (the parent is spooled)
     result = {"mlflow_tracking_uri": cfg.tracking_uri, "mlflow_parent_run_id": parent, "run_dir": str(cfg.run_dir),
               "started_at": time.time()}
     _write_json(cfg.run_dir / STEPS_DIR / "prepare.json", result)
@@ -95,17 +104,17 @@ def prepare_step(cfg: Config) -> dict[str, Any]:
 def stage_step(cfg: Config) -> dict[str, Any]:
     from components.stage import stage_s3_to_local
 
-    with _step(cfg, "stage") as (client, run_id):
+    with _step(cfg, "stage") as (mlflow, run):
         manifest = stage_s3_to_local(cfg.data.s3_uri, cfg.dataset_dir, endpoint_url=cfg.data.s3_endpoint_url,
                                      max_workers=cfg.data.max_workers, val_fraction=cfg.data.val_fraction,
                                      tokenizer=cfg.data.tokenizer)
         splits = manifest["tokens"]["splits"]
-        tracking.log_metric_records(client, run_id, [{
+        mlflow.log_metrics(run, [{
             "step": 0, "objects": manifest["object_count"], "bytes": manifest["bytes"],
             "downloaded_objects": manifest["downloaded"], "stage_seconds": manifest["stage_seconds"],
             "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"]}])
-        client.set_tag(run_id, "dataset_content_hash", manifest["tokens"]["content_hash"])
-        client.log_artifact(run_id, str(cfg.dataset_dir / "stage-manifest.json"))
+        mlflow.set_tags(run, {"dataset_content_hash": manifest["tokens"]["content_hash"]})
+        mlflow.log_artifact(run, cfg.dataset_dir / "stage-manifest.json")
         result = {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "objects": manifest["object_count"],
                   "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
                   "content_hash": manifest["tokens"]["content_hash"], "train_tokens": splits["train"]["tokens"],
@@ -117,19 +126,19 @@ def stage_step(cfg: Config) -> dict[str, Any]:
 def train_step(cfg: Config, data_dir: str) -> dict[str, Any]:
     from components.train import checkpoint_metric_records, read_metrics, run_local_training
 
-    with _step(cfg, "train") as (client, run_id):
+    with _step(cfg, "train") as (mlflow, run):
         result = run_local_training(cfg, Path(data_dir))
-        tracking.log_metric_records(client, run_id, read_metrics(Path(result["metrics_file"])))
-        tracking.log_metric_records(client, run_id, checkpoint_metric_records(cfg.run_dir))
-        log_recovery(client, run_id, cfg, result)
-        client.log_artifact(run_id, str(cfg.run_dir / "train.log"))
+        mlflow.log_metrics(run, read_metrics(Path(result["metrics_file"])))
+        mlflow.log_metrics(run, checkpoint_metric_records(cfg.run_dir))
+        log_recovery(mlflow, run, cfg, result)
+        mlflow.log_artifact(run, cfg.run_dir / "train.log")
         if result.get("checkpoint") is None:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
         _write_json(cfg.run_dir / STEPS_DIR / "train.json", result)
     return result
 
 
-def log_recovery(client, run_id: str, cfg: Config, result: dict[str, Any]) -> None:
+def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
     """Recovery events as an MLflow table, plus their totals and the job's goodput as metrics."""
     from trainer.events import read_events
 
@@ -141,19 +150,19 @@ def log_recovery(client, run_id: str, cfg: Config, result: dict[str, Any]) -> No
               "goodput": result.get("goodput") or 0.0}
     for mechanism in sorted({r["mechanism"] for r in recoveries}):
         totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
-    tracking.log_metric_records(client, run_id, [totals])
+    mlflow.log_metrics(run, [totals])
     if recoveries:
         columns = sorted({key for r in recoveries for key in r})
-        client.log_table(run_id, data={c: [r.get(c) for r in recoveries] for c in columns},
+        mlflow.log_table(run, data={c: [r.get(c) for r in recoveries] for c in columns},
                          artifact_file="recovery_events.json")
 
 
 def validate_step(cfg: Config, checkpoint: str) -> dict[str, Any]:
     from components.validate import validate_checkpoint
 
-    with _step(cfg, "validate") as (client, run_id):
+    with _step(cfg, "validate") as (mlflow, run):
         report = validate_checkpoint(Path(checkpoint))
-        tracking.log_metric_records(client, run_id, [{
+        mlflow.log_metrics(run, [{
             "step": report["step"], "checkpoint_bytes": report["bytes"], "checkpoint_files": report["files"],
             "load_seconds": report["load_seconds"], "checks_passed": report["num_checks"]}])
         _write_json(cfg.run_dir / STEPS_DIR / "validate.json", report)
@@ -163,10 +172,10 @@ def validate_step(cfg: Config, checkpoint: str) -> dict[str, Any]:
 def evaluate_step(cfg: Config, checkpoint: str, data_dir: str) -> dict[str, Any]:
     from components.evaluate import evaluate_checkpoint
 
-    with _step(cfg, "evaluate") as (client, run_id):
+    with _step(cfg, "evaluate") as (mlflow, run):
         result = evaluate_checkpoint(Path(checkpoint), Path(data_dir), seq_len=cfg.training.seq_len,
                                      batch_size=cfg.eval.batch_size, max_batches=cfg.eval.max_batches)
-        tracking.log_metric_records(client, run_id, [{
+        mlflow.log_metrics(run, [{
             "step": result["step"], "heldout_loss": result["heldout_loss"], "perplexity": result["perplexity"],
             "eval_tokens_per_second": result["eval_tokens_per_second"]}])
         _write_json(cfg.run_dir / STEPS_DIR / "evaluate.json", result)
@@ -184,13 +193,14 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         errors.append({"step": error["step"], "error_type": error["error_type"], "message": error["message"]})
     train, evaluate = steps["train"] or {}, steps["evaluate"] or {}
     succeeded = pipeline_state == "SUCCEEDED" and not errors
-    parent = tracking.find_parent_run(cfg.tracking_uri, cfg.run.experiment, cfg.run.run_id)
+    mlflow = tracker(cfg)
     summary = {
         "status": "succeeded" if succeeded else "failed",
         "pipeline_run_id": cfg.run.run_id,
         "mlflow_tracking_uri": cfg.tracking_uri,
         "mlflow_experiment": cfg.run.experiment,
-        "mlflow_parent_run_id": parent.info.run_id if parent else None,
+        "mlflow_parent_run_id": mlflow.run_id(),
+        "mlflow_pending_records": mlflow.pending(),
         "run_dir": str(cfg.run_dir),
         "checkpoint_dir": str(cfg.checkpoint_dir),
         "checkpoint": (steps["validate"] or {}).get("checkpoint") or train.get("checkpoint"),
@@ -204,14 +214,15 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "steps": steps,
         "finished_at": time.time(),
     }
-    path = _write_json(cfg.run_dir / SUMMARY, summary)
-    if parent is not None:
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(cfg.tracking_uri)
+    path = cfg.run_dir / SUMMARY
+    if steps["prepare"] is not None:  # the parent run exists (or is spooled) only once prepare has run
         metrics = {k: summary[k] for k in ("steps_trained", "final_train_loss", "heldout_loss") if summary[k] is not None}
         if metrics:
-            tracking.log_metric_records(client, parent.info.run_id, [{"step": summary["steps_trained"] or 0, **metrics}])
-        client.log_artifact(parent.info.run_id, str(path))
-        client.set_terminated(parent.info.run_id, status="FINISHED" if succeeded else "FAILED")
+            mlflow.log_metrics(tracking.PARENT, [{"step": summary["steps_trained"] or 0, **metrics}])
+        _write_json(path, summary)
+        mlflow.log_artifact(tracking.PARENT, path)
+        mlflow.end_run(tracking.PARENT, "FINISHED" if succeeded else "FAILED")
+    summary["mlflow_parent_run_id"] = mlflow.run_id()
+    summary["mlflow_pending_records"] = mlflow.pending()
+    _write_json(path, summary)
     return summary

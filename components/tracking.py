@@ -1,35 +1,51 @@
-"""MLflow bookkeeping: one parent run per pipeline run, one nested run per step.
+"""MLflow bookkeeping for one pipeline run, through a write-ahead spool that survives tracking outages.
 
-The parent run is found by its ``pipeline_run_id`` tag, so any step (and the exit handler) can attach to
-it without passing MLflow ids around, and a retried step re-attaches instead of creating a second parent.
+Every write (create a run, log metrics/params/tags, an artifact, a table, end a run) is first appended to
+``<run_dir>/mlflow-spool/journal.jsonl`` and then delivered in order. When the tracking server cannot be
+reached the write stays in the journal, the step carries on, and the next write, the next step, the exit
+handler or ``python -m pipelines mlflow-sync RUN_DIR`` delivers it later. Delivery is idempotent, so a record
+delivered twice (a crash between the server's commit and our bookmark) leaves no duplicate:
+
+- runs are found again by tags before one is created (the parent by ``pipeline_run_id``; a step's run by the
+  spool key it was created with), so a retried step or a replayed journal never makes a second run;
+- metrics carry their original timestamps, and MLflow drops a metric whose (key, value, step, timestamp) is
+  already logged; params and tags are set to the same value again; an artifact is overwritten with the same
+  bytes (artifacts are copied into the spool when logged); a table is written once (log_table appends).
+
+The parent run is found by its ``pipeline_run_id`` tag, so any step (and the exit handler) attaches to it
+without passing MLflow ids around.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import logging
+import os
+import shutil
 import time
+import uuid
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 log = logging.getLogger(__name__)
 
 PIPELINE_RUN_TAG = "pipeline_run_id"
 STEP_TAG = "pipeline_step"
-_BATCH = 1000  # MLflow's log_batch limit on metrics per call
+SPOOL_KEY_TAG = "spool_key"
+PARENT = "pipeline"  # the spool's name for the parent run
+SPOOL_DIR = "mlflow-spool"
+_METRICS_PER_CALL = 1000  # MLflow's log_batch limits
+_PARAMS_PER_CALL = 100
+
+# Bounded client retries: an outage is the spool's business, not something to wait minutes for in a step.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
 
-def _client(tracking_uri: str):
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
-def experiment_id(tracking_uri: str, name: str, artifact_location: str = "") -> str:
-    client = _client(tracking_uri)
-    experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    return client.create_experiment(name, artifact_location=artifact_location or None)
+class TrackingUnavailable(Exception):
+    """The tracking server could not be reached; the record stays spooled."""
 
 
 def flatten(config: dict[str, Any]) -> dict[str, str]:
@@ -37,66 +53,258 @@ def flatten(config: dict[str, Any]) -> dict[str, str]:
     return {f"{section}.{key}": str(value) for section, values in config.items() for key, value in values.items()}
 
 
+def metric_rows(records: Iterable[dict[str, float]], step_key: str = "step") -> list[list]:
+    """Per-step dicts ({'step': 3, 'loss': …, 'time': …}) -> [key, value, timestamp_ms, step] rows."""
+    now = time.time()
+    return [[key, float(value), int(record.get("time", now) * 1000), int(record[step_key])]
+            for record in records for key, value in record.items() if key not in (step_key, "time")]
+
+
+class Tracker:
+    """The MLflow writes of one pipeline run (all steps share the spool in the run folder)."""
+
+    def __init__(self, tracking_uri: str, experiment: str, pipeline_run_id: str, run_dir: Path,
+                 artifact_location: str = ""):
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.pipeline_run_id = pipeline_run_id
+        self.artifact_location = artifact_location
+        self.spool = Path(run_dir) / SPOOL_DIR
+        self.journal = self.spool / "journal.jsonl"
+        self.state_path = self.spool / "delivered.json"
+        self.rejected = self.spool / "rejected.jsonl"
+        self._client = None
+        self._warned = False
+
+    # -- what the steps call -------------------------------------------------------------------------
+
+    def start_parent(self, params: dict[str, str], tags: dict[str, str]) -> None:
+        self._record({"op": "start_run", "run": PARENT, "tags": tags, "params": params})
+
+    def start_step(self, step: str) -> str:
+        """A nested run for one execution of a step; returns its spool key (a retry gets a new run)."""
+        key = f"{step}-{uuid.uuid4().hex[:12]}"
+        self._record({"op": "start_run", "run": key, "step": step, "tags": {}, "params": {}})
+        return key
+
+    def log_metrics(self, run: str, records: Iterable[dict[str, float]], step_key: str = "step") -> int:
+        rows = metric_rows(records, step_key)
+        if rows:
+            self._record({"op": "metrics", "run": run, "rows": rows})
+        return len(rows)
+
+    def set_tags(self, run: str, tags: dict[str, str]) -> None:
+        self._record({"op": "tags", "run": run, "tags": tags})
+
+    def log_artifact(self, run: str, path: Path, artifact_path: str | None = None) -> None:
+        """The file is copied into the spool now, so a later delivery sends what was there at this moment."""
+        copy = self.spool / "artifacts" / uuid.uuid4().hex / Path(path).name
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, copy)
+        self._record({"op": "artifact", "run": run, "path": str(copy), "artifact_path": artifact_path})
+
+    def log_table(self, run: str, data: dict[str, list], artifact_file: str) -> None:
+        self._record({"op": "table", "run": run, "data": data, "artifact_file": artifact_file})
+
+    def end_run(self, run: str, status: str) -> None:
+        self._record({"op": "end_run", "run": run, "status": status})
+
+    def run_id(self, run: str = PARENT) -> str | None:
+        """The MLflow run id of a spooled run, once it has been delivered."""
+        return self._state()["runs"].get(run)
+
+    def pending(self) -> int:
+        return max(0, self._journal_length() - self._state()["delivered"])
+
+    # -- spool ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One writer at a time across processes (steps, the exit handler, mlflow-sync)."""
+        self.spool.mkdir(parents=True, exist_ok=True)
+        with (self.spool / "lock").open("w") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _record(self, op: dict[str, Any]) -> None:
+        with self._locked():
+            with self.journal.open("a") as handle:
+                handle.write(json.dumps({**op, "time": time.time()}) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+        self.flush()
+
+    def _journal_length(self) -> int:
+        if not self.journal.is_file():
+            return 0
+        with self.journal.open() as handle:
+            return sum(1 for _ in handle)
+
+    def _state(self) -> dict[str, Any]:
+        if self.state_path.is_file():
+            return json.loads(self.state_path.read_text())
+        return {"delivered": 0, "runs": {}}
+
+    def _save_state(self, state: dict[str, Any]) -> None:
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_path)
+
+    def flush(self) -> bool:
+        """Deliver what is pending, in order; True when nothing is left. Never raises for an outage."""
+        with self._locked():
+            state = self._state()
+            lines = self.journal.read_text().splitlines() if self.journal.is_file() else []
+            if state["delivered"] >= len(lines):
+                return True
+            try:
+                self._check_reachable()
+                for index in range(state["delivered"], len(lines)):
+                    op = json.loads(lines[index])
+                    try:
+                        self._deliver(op, state)
+                    except TrackingUnavailable:
+                        raise
+                    except Exception as err:  # noqa: BLE001 - sorted below: outage or bad record
+                        if _is_outage(err):
+                            raise TrackingUnavailable(str(err)) from err
+                        # The server answered and refused this record: keep it aside, don't block the rest.
+                        log.error("MLflow refused a %s record for run %s: %s (kept in %s)", op["op"], op["run"],
+                                  err, self.rejected)
+                        with self.rejected.open("a") as handle:
+                            handle.write(json.dumps({**op, "error": str(err)}) + "\n")
+                    state["delivered"] = index + 1
+                    self._save_state(state)
+            except TrackingUnavailable as err:
+                if not self._warned:
+                    log.warning("MLflow at %s is unreachable (%s): %d record(s) spooled in %s; they are delivered "
+                                "by the next step or by `python -m pipelines mlflow-sync %s`", self.tracking_uri,
+                                str(err).splitlines()[0][:200], len(lines) - state["delivered"], self.journal,
+                                self.spool.parent)
+                    self._warned = True
+                return False
+            if self._warned:
+                log.info("MLflow at %s is back: spooled records delivered", self.tracking_uri)
+                self._warned = False
+            return True
+
+    # -- delivery ------------------------------------------------------------------------------------
+
+    def _mlflow(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _check_reachable(self) -> None:
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return  # a local store: errors surface from the calls themselves
+        import requests
+
+        try:
+            requests.get(self.tracking_uri.rstrip("/") + "/health", timeout=3)
+        except requests.RequestException as err:
+            raise TrackingUnavailable(str(err)) from err
+
+    def _experiment_id(self) -> str:
+        client = self._mlflow()
+        experiment = client.get_experiment_by_name(self.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        return client.create_experiment(self.experiment, artifact_location=self.artifact_location or None)
+
+    def _find_run(self, tags: dict[str, str]):
+        experiment = self._mlflow().get_experiment_by_name(self.experiment)
+        if experiment is None:
+            return None
+        filter_string = " and ".join(f"tags.{key} = '{value}'" for key, value in tags.items())
+        runs = self._mlflow().search_runs([experiment.experiment_id], filter_string=filter_string, max_results=1)
+        return runs[0] if runs else None
+
+    def _deliver(self, op: dict[str, Any], state: dict[str, Any]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        client = self._mlflow()
+        if op["op"] == "start_run":
+            state["runs"][op["run"]] = self._create_or_find_run(op, state)
+            return
+        run_id = state["runs"].get(op["run"])
+        assert run_id is not None, f"spool record for {op['run']} before its start_run"
+        if op["op"] == "metrics":
+            metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in op["rows"]]
+            for start in range(0, len(metrics), _METRICS_PER_CALL):
+                client.log_batch(run_id, metrics=metrics[start : start + _METRICS_PER_CALL])
+        elif op["op"] == "tags":
+            client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in op["tags"].items()])
+        elif op["op"] == "artifact":
+            client.log_artifact(run_id, op["path"], op["artifact_path"])
+        elif op["op"] == "table":
+            existing = {item.path for item in client.list_artifacts(run_id)}
+            if op["artifact_file"] not in existing:
+                client.log_table(run_id, data=op["data"], artifact_file=op["artifact_file"])
+        elif op["op"] == "end_run":
+            client.set_terminated(run_id, status=op["status"], end_time=int(op["time"] * 1000))
+        else:
+            raise AssertionError(f"unknown spool record {op['op']}")
+
+    def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
+        from mlflow.entities import Param
+
+        client = self._mlflow()
+        if op["run"] == PARENT:
+            identity = {PIPELINE_RUN_TAG: self.pipeline_run_id, STEP_TAG: PARENT}
+            tags = {**identity, **op["tags"]}
+            name = self.pipeline_run_id
+        else:
+            identity = {SPOOL_KEY_TAG: op["run"]}
+            parent = state["runs"].get(PARENT)
+            assert parent is not None, "a step run spooled before the pipeline's parent run"
+            tags = {**identity, "mlflow.parentRunId": parent, PIPELINE_RUN_TAG: self.pipeline_run_id,
+                    STEP_TAG: op["step"]}
+            name = op["step"]
+        existing = self._find_run(identity)
+        if existing is not None:
+            run_id = existing.info.run_id
+        else:
+            run_id = client.create_run(self._experiment_id(), run_name=name, tags=tags,
+                                       start_time=int(op["time"] * 1000)).info.run_id
+        params = [Param(k, v) for k, v in op["params"].items()]
+        for start in range(0, len(params), _PARAMS_PER_CALL):
+            client.log_batch(run_id, params=params[start : start + _PARAMS_PER_CALL])
+        return run_id
+
+
+def _is_outage(err: Exception) -> bool:
+    """Connection failures and 5xx/429 answers are outages (retry later); other refusals are not."""
+    import requests
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(err, (requests.RequestException, ConnectionError, TimeoutError, sqlalchemy.exc.OperationalError)):
+        return True  # OperationalError: a local store that is locked or on a missing volume
+    if isinstance(err, RestException):
+        return err.get_http_status_code() >= 500 or err.get_http_status_code() == 429
+    if isinstance(err, MlflowException):
+        text = str(err)
+        return any(marker in text for marker in ("Max retries exceeded", "Connection", "timed out", "API request to"))
+    return False
+
+
 def find_parent_run(tracking_uri: str, experiment: str, pipeline_run_id: str):
-    client = _client(tracking_uri)
+    """The parent run as MLflow has it (for readers such as tests and the compare CLI)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
     runs = client.search_runs(
         [exp.experiment_id],
-        filter_string=f"tags.{PIPELINE_RUN_TAG} = '{pipeline_run_id}' and tags.{STEP_TAG} = 'pipeline'",
+        filter_string=f"tags.{PIPELINE_RUN_TAG} = '{pipeline_run_id}' and tags.{STEP_TAG} = '{PARENT}'",
         max_results=1,
     )
     return runs[0] if runs else None
-
-
-def start_parent_run(tracking_uri: str, experiment: str, pipeline_run_id: str, *, artifact_location: str = "",
-                     params: dict[str, str], tags: dict[str, str]) -> str:
-    """Create (or find, on a retry) the parent run; returns its MLflow run id."""
-    existing = find_parent_run(tracking_uri, experiment, pipeline_run_id)
-    if existing is not None:
-        return existing.info.run_id
-    client = _client(tracking_uri)
-    run = client.create_run(experiment_id(tracking_uri, experiment, artifact_location), run_name=pipeline_run_id,
-                            tags={PIPELINE_RUN_TAG: pipeline_run_id, STEP_TAG: "pipeline", **tags})
-    log_params(client, run.info.run_id, params)
-    return run.info.run_id
-
-
-def log_params(client, run_id: str, params: dict[str, str]) -> None:
-    from mlflow.entities import Param
-
-    items = [Param(k, v) for k, v in params.items()]
-    for start in range(0, len(items), 100):  # MLflow's per-call limit on params
-        client.log_batch(run_id, params=items[start : start + 100])
-
-
-def log_metric_records(client, run_id: str, records: Iterable[dict[str, float]], step_key: str = "step") -> int:
-    """Log per-step dicts ({'step': 3, 'loss': …}) with log_batch; returns the metric count."""
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    metrics = [Metric(key, float(value), int(record.get("time", now / 1000) * 1000), int(record[step_key]))
-               for record in records for key, value in record.items() if key not in (step_key, "time")]
-    for start in range(0, len(metrics), _BATCH):
-        client.log_batch(run_id, metrics=metrics[start : start + _BATCH])
-    return len(metrics)
-
-
-@contextlib.contextmanager
-def step_run(tracking_uri: str, experiment: str, pipeline_run_id: str, step: str) -> Iterator[tuple[Any, str]]:
-    """A nested run for one pipeline step: yields (client, run_id); FINISHED on success, FAILED on error."""
-    parent = find_parent_run(tracking_uri, experiment, pipeline_run_id)
-    if parent is None:
-        raise RuntimeError(f"no MLflow parent run tagged {PIPELINE_RUN_TAG}={pipeline_run_id} in experiment "
-                           f"{experiment!r} at {tracking_uri}: the prepare step creates it")
-    client = _client(tracking_uri)
-    run = client.create_run(parent.info.experiment_id, run_name=step,
-                            tags={"mlflow.parentRunId": parent.info.run_id, PIPELINE_RUN_TAG: pipeline_run_id,
-                                  STEP_TAG: step})
-    try:
-        yield client, run.info.run_id
-    except BaseException:
-        client.set_terminated(run.info.run_id, status="FAILED")
-        raise
-    client.set_terminated(run.info.run_id, status="FINISHED")

@@ -3,6 +3,7 @@
     python -m pipelines run --config local                          # the whole pipeline on this machine
     python -m pipelines run --config local --training.num_steps=50  # with overrides
     python -m pipelines compile --config local -o pipeline.yaml     # KFP IR YAML
+    python -m pipelines mlflow-sync work/fsx/runs/RUN_ID             # deliver records spooled in an outage
 
 ``run`` starts the embedded stack (S3 server on loopback, MLflow sqlite store, a folder as the FSx
 mount), runs every step through KFP's local runner, writes ``summary.json`` in the run folder and prints
@@ -85,6 +86,9 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
         lines.append(f"    {event['fault_type']} on rank {event['fault_rank']} at step {event['fault_step']}: "
                      f"{event['mechanism']} restart, reloaded step {event['reloaded_step']} from {event['reload_source']}, "
                      f"{event['lost_steps']} steps lost, {_seconds(event['recovery_seconds'])} to the next step")
+    if summary.get("mlflow_pending_records"):
+        lines.append(f"  MLflow spool       {summary['mlflow_pending_records']} record(s) not delivered (tracking "
+                     f"server unreachable): python -m pipelines mlflow-sync {summary['run_dir']}")
     for error in summary["errors"]:
         lines.append(f"  FAILED at {error['step']}: {error['error_type']}: {error['message']}")
     uri = summary["mlflow_tracking_uri"]
@@ -92,6 +96,28 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
         lines.append(f"  MLflow UI          mlflow ui --backend-store-uri {uri} --port 5000")
     lines.append(str(summary_path))
     print("\n".join(lines))  # the CLI's final summary; the last line is the summary's path for scripts
+
+
+def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
+    """Deliver a run's spooled MLflow records; 0 when nothing is left, 1 while the server is still down."""
+    from components.steps import tracker
+
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        print(f"error: {config_path} not found: pass the run folder (work/fsx/runs/RUN_ID)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(str(config_path), overrides)  # e.g. --mlflow.tracking_uri=… if the server moved
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    mlflow = tracker(cfg)
+    before = mlflow.pending()
+    delivered_all = mlflow.flush()
+    left = mlflow.pending()
+    print(f"{before - left} record(s) delivered to {cfg.tracking_uri}, {left} left"
+          + ("" if delivered_all else " (tracking server unreachable: run this again later)"))
+    return 0 if delivered_all else 1
 
 
 def _seconds(value) -> str:
@@ -113,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     compile_ = commands.add_parser("compile", help="compile the pipeline to KFP IR YAML")
     _add_config_arguments(compile_)
     compile_.add_argument("-o", "--output", required=True, type=Path, help="where to write the YAML")
+    sync = commands.add_parser("mlflow-sync", help="deliver MLflow records spooled while the server was down")
+    sync.add_argument("run_dir", type=Path, help="the run folder (holds config.yaml and mlflow-spool/)")
 
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     unknown = [o for o in overrides if not o.startswith("--") or "=" not in o]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --section.key=value)")
+    if args.command == "mlflow-sync":
+        return mlflow_sync(args.run_dir, overrides)
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:

@@ -2,7 +2,8 @@
 
 Started and stopped by PID, never by process name, so it cannot touch anything else on the machine. boto3
 code stays unchanged: it finds the server through the standard ``AWS_ENDPOINT_URL_S3`` setting.
-MLflow needs no server locally (a sqlite store), and the FSx mount is a plain folder.
+MLflow needs no server locally (a sqlite store; ``MlflowServer`` runs one on loopback for the tests and for
+anyone who wants the REST path), and the FSx mount is a plain folder.
 """
 
 from __future__ import annotations
@@ -99,3 +100,80 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1 over a sqlite store, in its own process group.
+
+    The server starts a job-runner child that outlives a SIGTERM to the parent, so the whole group is
+    stopped. The same port can be started again after ``stop()`` (an outage, as the tests make one).
+    """
+
+    def __init__(self, store_dir: Path, port: int | None = None, startup_timeout: float = 90.0):
+        self.store_dir = Path(store_dir)
+        self.log_path = self.store_dir / "mlflow-server.log"
+        self.port = port or free_port()
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "MlflowServer":
+        import urllib.request
+
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--workers", "1", "--backend-store-uri", f"sqlite:///{self.store_dir / 'mlflow.db'}",
+                   "--default-artifact-root", (self.store_dir / "artifacts").as_uri()]
+        with self.log_path.open("ab") as log_file:
+            self.proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise LocalStackError(f"mlflow server exited with code {self.proc.returncode}; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.tracking_uri + "/health", timeout=1) as answer:
+                    if answer.status == 200:
+                        log.info("MLflow server pid %d at %s", self.proc.pid, self.tracking_uri)
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise LocalStackError(f"mlflow server not healthy at {self.tracking_uri} within "
+                              f"{self.startup_timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        import signal
+
+        if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
+            return
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(self.proc.pid):
+                self.proc.poll()
+                time.sleep(0.1)
+            if not _group_alive(self.proc.pid):
+                break
+        self.proc.poll()
+        log.info("MLflow server pid %d stopped", self.proc.pid)
+
+    def __enter__(self) -> "MlflowServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
