@@ -37,7 +37,7 @@ def stage_data(config_json: str, overrides: list, kfp_job_id: str, dataset: Outp
     result = stage_step(resolve_config(config_json, overrides, kfp_job_id))
     with open(dataset.path, "w") as handle:
         json.dump(result, handle, indent=2)
-    dataset.metadata.update({k: result[k] for k in ("s3_uri", "objects", "bytes", "content_hash")})
+    dataset.metadata.update({k: result[k] for k in ("s3_uri", "mode", "objects", "bytes", "content_hash", "manifest_hash")})
     return result["data_dir"]
 
 

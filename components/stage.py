@@ -1,18 +1,29 @@
-"""Stage training data from S3 onto a POSIX path (the FSx mount, or a local folder) and tokenize it.
+"""Stage training data from S3 to where the trainer reads it, verifiably, then tokenize it.
 
-Copy mode: objects under the prefix are downloaded in parallel to a temporary name, checked for size,
-renamed into place and recorded in a manifest; unchanged objects (same size and ETag) are skipped on the
-next run. The raw text is then tokenized into the trainer's shards (cached by content hash).
-No KFP imports: the pipeline's stage component and the tests call ``stage_s3_to_local``.
+Two modes (``data.stage_mode``), one dataset manifest (``<dataset_dir>/stage-manifest.json``: files, bytes,
+object count, checksums, S3 URI, FSx path, token shards) for the next steps and MLflow:
+
+- ``copy`` (any POSIX path): parallel ranged downloads through s3transfer into a temporary name, size and
+  checksum verified (the ETag's MD5 for single-part objects, S3's additional checksums when present), then
+  renamed into place; incremental by the manifest (key, size, ETag, mtime), so unchanged objects are
+  skipped; optionally files no longer in S3 are deleted.
+- ``dra`` (FSx for Lustre): ``components.fsx`` links the file system to the prefix and imports metadata.
+
+Raw text (``.txt``, ``.jsonl``, ``.parquet``) is then tokenized into the trainer's shards with a held-out
+split, cached by content hash. No KFP imports: the stage component and the tests call ``stage_dataset``.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
 import hashlib
 import json
 import logging
 import os
+import sys
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,116 +32,254 @@ log = logging.getLogger(__name__)
 
 RAW_DIR = "raw"
 STAGE_MANIFEST = "stage-manifest.json"
-TEXT_SUFFIXES = (".txt", ".jsonl")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+_CHUNK = 8 * 1024 * 1024
+MULTIPART_THRESHOLD = 16 * 1024 * 1024
 
 
 class StageError(RuntimeError):
     """The data cannot be staged; the message names the S3 location or file and what to do."""
 
 
-def s3_client(endpoint_url: str = ""):
-    """A boto3 S3 client; endpoint_url overrides boto3's own resolution (AWS_ENDPOINT_URL_S3 etc.)."""
+def s3_client(endpoint_url: str = "", max_workers: int = 8):
+    """A boto3 S3 client with bounded standard retries (throttling and 5xx are retried, then surface)."""
     import boto3
     from botocore.config import Config as BotoConfig
 
     return boto3.client("s3", endpoint_url=endpoint_url or None,
-                        config=BotoConfig(retries={"max_attempts": 5, "mode": "standard"}))
+                        config=BotoConfig(retries={"max_attempts": 5, "mode": "standard"},
+                                          max_pool_connections=max(10, max_workers * 2)))
 
 
-def _check_bucket(client, bucket: str, s3_uri: str) -> None:
+def _s3_error(err: Exception, where: str) -> StageError:
+    """A botocore error as a StageError that says what to do."""
     from botocore.exceptions import ClientError, EndpointConnectionError
 
-    try:
-        client.head_bucket(Bucket=bucket)
-    except ClientError as err:
+    if isinstance(err, EndpointConnectionError):
+        return StageError(f"cannot reach the S3 endpoint for {where}: {err} "
+                          "(check data.s3_endpoint_url / AWS_ENDPOINT_URL_S3)")
+    if isinstance(err, ClientError):
         code = err.response.get("Error", {}).get("Code", "")
+        status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code in ("404", "NoSuchBucket"):
-            raise StageError(f"S3 bucket {bucket!r} does not exist (data.s3_uri={s3_uri}): "
-                             "create it and upload the data, or fix data.s3_uri") from err
+            return StageError(f"{where}: the S3 bucket does not exist (data.s3_uri): create it and upload the "
+                              "data, or fix data.s3_uri")
         if code in ("403", "AccessDenied"):
-            raise StageError(f"access denied to S3 bucket {bucket!r} (data.s3_uri={s3_uri}): "
-                             "grant s3:ListBucket and s3:GetObject on it to this role") from err
-        raise StageError(f"S3 bucket {bucket!r}: {err}") from err
-    except EndpointConnectionError as err:
-        raise StageError(f"cannot reach the S3 endpoint for {s3_uri}: {err} "
-                         "(check data.s3_endpoint_url / AWS_ENDPOINT_URL_S3)") from err
+            return StageError(f"{where}: access denied (data.s3_uri): grant this role s3:ListBucket on the bucket "
+                              "and s3:GetObject on the prefix")
+        if code in ("SlowDown", "Throttling", "RequestLimitExceeded") or status >= 500:
+            return StageError(f"{where}: S3 kept failing after the retries ({code or status}); try again later "
+                              "or lower data.max_workers")
+    return StageError(f"{where}: {err}")
+
+
+def parse_s3_uri(s3_uri: str) -> tuple[str, str]:
+    if not s3_uri.startswith("s3://") or len(s3_uri) <= len("s3://"):
+        raise StageError(f"data.s3_uri {s3_uri!r} must look like s3://bucket/prefix")
+    bucket, _, prefix = s3_uri[len("s3://") :].partition("/")
+    return bucket, prefix.strip("/")
 
 
 def list_objects(client, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    from botocore.exceptions import BotoCoreError, ClientError
+
     key_prefix = f"{prefix}/" if prefix else ""
     objects = []
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
-        for item in page.get("Contents", []):
-            if not item["Key"].endswith("/"):
-                objects.append({"key": item["Key"], "bytes": item["Size"], "etag": item["ETag"].strip('"')})
+    try:
+        client.head_bucket(Bucket=bucket)
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
+            for item in page.get("Contents", []):
+                if not item["Key"].endswith("/"):
+                    objects.append({"key": item["Key"], "bytes": item["Size"], "etag": item["ETag"].strip('"'),
+                                    "mtime": item["LastModified"].timestamp(),
+                                    "checksum_algorithm": (item.get("ChecksumAlgorithm") or [None])[0]})
+    except (ClientError, BotoCoreError) as err:
+        raise _s3_error(err, f"s3://{bucket}/{key_prefix}") from err
     return objects
 
 
-def _download(client, bucket: str, obj: dict[str, Any], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
-    client.download_file(bucket, obj["key"], str(tmp))
+def _checksum(path: Path, algorithm: str) -> str:
+    """Base64 of the whole-object checksum, as S3 reports a FULL_OBJECT checksum."""
+    if algorithm == "CRC32":
+        value = 0
+        with path.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                value = zlib.crc32(chunk, value)
+        return base64.b64encode(value.to_bytes(4, "big")).decode()
+    digest = {"SHA256": hashlib.sha256, "SHA1": hashlib.sha1}[algorithm]()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return base64.b64encode(digest.digest()).decode()
+
+
+def _verify(client, bucket: str, obj: dict[str, Any], tmp: Path) -> str:
+    """Check the downloaded file against S3; returns what was checked."""
     size = tmp.stat().st_size
     if size != obj["bytes"]:
-        tmp.unlink(missing_ok=True)
         raise StageError(f"s3://{bucket}/{obj['key']}: downloaded {size} bytes, S3 lists {obj['bytes']}")
-    # A single-part upload's ETag is the MD5 of the body; multipart ETags ("…-N") are not.
-    if "-" not in obj["etag"] and hashlib.md5(tmp.read_bytes()).hexdigest() != obj["etag"]:
+    algorithm = obj.get("checksum_algorithm")
+    if algorithm in ("CRC32", "SHA256", "SHA1"):
+        head = client.head_object(Bucket=bucket, Key=obj["key"], ChecksumMode="ENABLED")
+        expected = head.get(f"Checksum{algorithm}")
+        # A multipart upload's COMPOSITE checksum is a checksum of the parts' checksums: not comparable.
+        # Trust it as a whole-object checksum only when S3 says FULL_OBJECT or the upload had one part.
+        full_object = head.get("ChecksumType") == "FULL_OBJECT" or "-" not in obj["etag"]
+        if expected and "-" not in expected and full_object:
+            if _checksum(tmp, algorithm) != expected:
+                raise StageError(f"s3://{bucket}/{obj['key']}: {algorithm} differs from S3's (corrupted in transit)")
+            return algorithm.lower()
+    if "-" not in obj["etag"]:  # a single-part upload's ETag is the MD5 of the body
+        digest = hashlib.md5()
+        with tmp.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+        if digest.hexdigest() != obj["etag"]:
+            raise StageError(f"s3://{bucket}/{obj['key']}: MD5 differs from its ETag (corrupted in transit)")
+        return "md5"
+    return "size"
+
+
+def _download(client, bucket: str, obj: dict[str, Any], target: Path, transfer_config, progress) -> str:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.part")
+    try:
+        client.download_file(bucket, obj["key"], str(tmp), Config=transfer_config, Callback=progress)
+        checked = _verify(client, bucket, obj, tmp)
+        os.replace(tmp, target)
+        return checked
+    except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise StageError(f"s3://{bucket}/{obj['key']}: MD5 differs from its ETag (corrupted in transit)")
-    os.replace(tmp, target)
+        if err.errno == errno.ENOSPC:
+            raise StageError(f"disk full writing {target} (s3://{bucket}/{obj['key']}, {obj['bytes']} bytes): "
+                             "free space or point data.fsx_root at a larger volume") from err
+        raise StageError(f"cannot write {target}: {err}") from err
+    except (ClientError, BotoCoreError) as err:
+        tmp.unlink(missing_ok=True)
+        raise _s3_error(err, f"s3://{bucket}/{obj['key']}") from err
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def stage_s3_to_local(s3_uri: str, dataset_dir: Path, *, endpoint_url: str = "", max_workers: int = 8,
-                      val_fraction: float = 0.05, tokenizer: str = "byte") -> dict[str, Any]:
-    """Download s3_uri's objects into <dataset_dir>/raw, tokenize them, and return the dataset manifest."""
+def _progress_bar(total: int, description: str, unit: str = "B"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=description, unit=unit, unit_scale=True, disable=not sys.stderr.isatty())
+
+
+def copy_from_s3(client, bucket: str, prefix: str, raw_dir: Path, previous: dict[str, dict], *,
+                 max_workers: int = 8, delete_removed: bool = False) -> dict[str, Any]:
+    """Copy mode: download new or changed objects under the prefix into raw_dir."""
+    import threading
+
+    from boto3.s3.transfer import TransferConfig
+
+    objects = list_objects(client, bucket, prefix)
+    if not objects:
+        raise StageError(f"no objects under s3://{bucket}/{prefix} (data.s3_uri): upload the training data there")
+
+    def local_path(obj: dict[str, Any]) -> Path:
+        return raw_dir / (obj["key"][len(prefix) + 1 :] if prefix else obj["key"])
+
+    to_fetch = []
+    for obj in objects:
+        target, old = local_path(obj), previous.get(obj["key"])
+        unchanged = (old is not None and (old["etag"], old["bytes"], old.get("mtime")) == (obj["etag"], obj["bytes"], obj["mtime"])
+                     and target.is_file() and target.stat().st_size == obj["bytes"])
+        if unchanged:
+            obj["verified"] = old.get("verified", "size")
+        else:
+            to_fetch.append(obj)
+
+    transfer_config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD,
+                                     max_concurrency=max(1, max_workers // 2), use_threads=True)
+    lock = threading.Lock()
+    with _progress_bar(sum(o["bytes"] for o in to_fetch), "download") as bar:
+        def progress(n: int) -> None:
+            with lock:
+                bar.update(n)
+
+        def fetch(obj: dict[str, Any]) -> None:
+            obj["verified"] = _download(client, bucket, obj, local_path(obj), transfer_config, progress)
+
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            list(pool.map(fetch, to_fetch))
+
+    deleted = []
+    if delete_removed and raw_dir.is_dir():
+        keep = {local_path(o) for o in objects}
+        for path in sorted(p for p in raw_dir.rglob("*") if p.is_file()):
+            if path not in keep:
+                path.unlink()
+                deleted.append(str(path.relative_to(raw_dir)))
+    log.info("copied s3://%s/%s: %d objects, %d downloaded, %d unchanged, %d deleted", bucket, prefix, len(objects),
+             len(to_fetch), len(objects) - len(to_fetch), len(deleted))
+    return {"objects": objects, "downloaded": len(to_fetch), "deleted": deleted,
+            "files": [str(local_path(o)) for o in objects]}
+
+
+def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[str, Any]:
+    """Stage data.s3_uri into <dataset_dir>/raw by data.stage_mode, tokenize it, write the manifest.
+
+    `data` is the config's DataConfig; `fsx` an FSx client for dra mode (created when omitted).
+    """
     from trainer.data import tokenize_files
 
     started = time.perf_counter()
-    if not s3_uri.startswith("s3://"):
-        raise StageError(f"data.s3_uri {s3_uri!r} must look like s3://bucket/prefix")
-    bucket, _, prefix = s3_uri[len("s3://") :].partition("/")
-    prefix = prefix.strip("/")
-    dataset_dir = Path(dataset_dir)
+    bucket, prefix = parse_s3_uri(data.s3_uri)
+    dataset_dir, fsx_root = Path(dataset_dir), Path(fsx_root)
     raw_dir = dataset_dir / RAW_DIR
-
-    client = s3_client(endpoint_url)
-    _check_bucket(client, bucket, s3_uri)
-    objects = list_objects(client, bucket, prefix)
-    if not objects:
-        raise StageError(f"no objects under {s3_uri} (data.s3_uri): upload the training data there first")
-
     manifest_path = dataset_dir / STAGE_MANIFEST
     previous = {}
     if manifest_path.is_file():
         previous = {o["key"]: o for o in json.loads(manifest_path.read_text()).get("objects", [])}
+    client = s3_client(data.s3_endpoint_url, data.max_workers)
 
-    def local_path(obj: dict[str, Any]) -> Path:
-        relative = obj["key"][len(prefix) + 1 :] if prefix else obj["key"]
-        return raw_dir / relative
+    dra = None
+    if data.stage_mode == "dra":
+        from components.fsx import fsx_client, stage_via_dra
 
-    to_fetch = []
-    for obj in objects:
-        target = local_path(obj)
-        old = previous.get(obj["key"])
-        unchanged = (old is not None and old["etag"] == obj["etag"] and old["bytes"] == obj["bytes"]
-                     and target.is_file() and target.stat().st_size == obj["bytes"])
-        if not unchanged:
-            to_fetch.append(obj)
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        list(pool.map(lambda o: _download(client, bucket, o, local_path(o)), to_fetch))
-    log.info("staged %s: %d objects, %d downloaded, %d unchanged", s3_uri, len(objects), len(to_fetch),
-             len(objects) - len(to_fetch))
+        fsx_path = "/" + str(raw_dir.relative_to(fsx_root)) if raw_dir.is_relative_to(fsx_root) else None
+        if fsx_path is None:
+            raise StageError(f"dataset folder {raw_dir} is not under data.fsx_root {fsx_root}")
+        dra = stage_via_dra(fsx or fsx_client(), file_system_id=data.fsx_file_system_id, mount_root=fsx_root,
+                            fsx_path=fsx_path, s3_uri=data.s3_uri,
+                            auto_import=[e.strip() for e in data.dra_auto_import.split(",") if e.strip()],
+                            timeout=data.dra_import_timeout_seconds, poll_seconds=data.dra_poll_seconds,
+                            require_lustre_mount=data.require_lustre_mount, preload_contents=data.preload,
+                            max_workers=data.max_workers)
+        objects = list_objects(client, bucket, prefix)
+        if not objects:
+            raise StageError(f"no objects under {data.s3_uri} (data.s3_uri): upload the training data there first")
+        missing = [o["key"] for o in objects
+                   if not (raw_dir / o["key"][len(prefix) + 1 if prefix else 0 :]).is_file()]
+        if missing:
+            raise StageError(f"{len(missing)} object(s) under {data.s3_uri} are not visible under {raw_dir} after "
+                             f"the metadata import (e.g. {missing[0]}): check DRA {dra['association_id']}")
+        copied = {"objects": objects, "downloaded": 0, "deleted": [],
+                  "files": [str(raw_dir / o["key"][len(prefix) + 1 if prefix else 0 :]) for o in objects]}
+    else:
+        copied = copy_from_s3(client, bucket, prefix, raw_dir, previous, max_workers=data.max_workers,
+                              delete_removed=data.delete_removed)
 
-    text_files = [local_path(o) for o in objects if local_path(o).suffix in TEXT_SUFFIXES]
+    text_files = [Path(f) for f in copied["files"] if Path(f).suffix in TEXT_SUFFIXES]
     if not text_files:
-        raise StageError(f"no {' or '.join(TEXT_SUFFIXES)} files under {s3_uri}: nothing to tokenize")
-    tokens = tokenize_files(text_files, dataset_dir, val_fraction, tokenizer)
+        raise StageError(f"no {', '.join(TEXT_SUFFIXES)} files under {data.s3_uri}: nothing to tokenize")
+    tokens = tokenize_files(text_files, dataset_dir, data.val_fraction, data.tokenizer)
 
-    manifest = {"s3_uri": s3_uri, "dataset_dir": str(dataset_dir), "objects": objects,
+    objects = copied["objects"]
+    manifest = {"mode": data.stage_mode, "s3_uri": data.s3_uri, "dataset_dir": str(dataset_dir),
+                "fsx_path": dra["fsx_path"] if dra else str(raw_dir), "objects": objects,
                 "object_count": len(objects), "bytes": sum(o["bytes"] for o in objects),
-                "downloaded": len(to_fetch), "tokens": tokens, "stage_seconds": time.perf_counter() - started}
+                "downloaded": copied["downloaded"], "deleted": copied["deleted"], "dra": dra, "tokens": tokens,
+                "manifest_hash": hashlib.sha256(json.dumps(sorted((o["key"], o["etag"], o["bytes"]) for o in objects))
+                                                .encode()).hexdigest(),
+                "stage_seconds": time.perf_counter() - started}
+    dataset_dir.mkdir(parents=True, exist_ok=True)
     tmp = manifest_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(manifest_path)
+    tmp.replace(manifest_path)  # written last: a half-staged dataset never has a manifest claiming it complete
     return manifest

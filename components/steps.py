@@ -102,23 +102,25 @@ def prepare_step(cfg: Config) -> dict[str, Any]:
 
 
 def stage_step(cfg: Config) -> dict[str, Any]:
-    from components.stage import stage_s3_to_local
+    from components.stage import stage_dataset
 
     with _step(cfg, "stage") as (mlflow, run):
-        manifest = stage_s3_to_local(cfg.data.s3_uri, cfg.dataset_dir, endpoint_url=cfg.data.s3_endpoint_url,
-                                     max_workers=cfg.data.max_workers, val_fraction=cfg.data.val_fraction,
-                                     tokenizer=cfg.data.tokenizer)
+        manifest = stage_dataset(cfg.data, cfg.dataset_dir, cfg.fsx_root)
         splits = manifest["tokens"]["splits"]
         mlflow.log_metrics(run, [{
             "step": 0, "objects": manifest["object_count"], "bytes": manifest["bytes"],
             "downloaded_objects": manifest["downloaded"], "stage_seconds": manifest["stage_seconds"],
             "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"]}])
-        mlflow.set_tags(run, {"dataset_content_hash": manifest["tokens"]["content_hash"]})
+        hashes = {"dataset_content_hash": manifest["tokens"]["content_hash"],
+                  "dataset_manifest_hash": manifest["manifest_hash"]}
+        mlflow.set_tags(run, {"stage_mode": manifest["mode"], **hashes})
+        mlflow.set_tags(tracking.PARENT, hashes)  # runs are compared by the data they trained on
         mlflow.log_artifact(run, cfg.dataset_dir / "stage-manifest.json")
-        result = {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "objects": manifest["object_count"],
-                  "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
-                  "content_hash": manifest["tokens"]["content_hash"], "train_tokens": splits["train"]["tokens"],
-                  "val_tokens": splits["val"]["tokens"]}
+        result = {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "mode": manifest["mode"],
+                  "objects": manifest["object_count"], "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
+                  "deleted": len(manifest["deleted"]), "content_hash": manifest["tokens"]["content_hash"],
+                  "manifest_hash": manifest["manifest_hash"], "dra": manifest["dra"],
+                  "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"]}
         _write_json(cfg.run_dir / STEPS_DIR / "stage.json", result)
     return result
 

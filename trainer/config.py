@@ -95,7 +95,42 @@ class DataConfig:
     max_workers: int = 8
     """Parallel S3 downloads during staging."""
 
+    stage_mode: Literal["copy", "dra"] = "copy"
+    """'copy': parallel verified download onto any POSIX path (local disk, NVMe, EFS, the local demo);
+    'dra': link the FSx for Lustre file system to the S3 prefix with a Data Repository Association and
+    import its metadata (file contents load on first read, or are preloaded)."""
+
+    delete_removed: bool = False
+    """Copy mode: delete staged files whose objects are no longer in S3."""
+
+    fsx_file_system_id: str = ""
+    """DRA mode: the FSx for Lustre file system mounted at fsx_root (fs-…)."""
+
+    dra_auto_import: str = "NEW,CHANGED,DELETED"
+    """DRA mode: S3 events the file system imports automatically (comma-separated; empty = none)."""
+
+    dra_import_timeout_seconds: float = 3600.0
+    """DRA mode: the longest wait for the DRA to become AVAILABLE and for the metadata import task."""
+
+    dra_poll_seconds: float = 15.0
+    """DRA mode: first polling interval for DRA and task state (doubles up to 8x)."""
+
+    preload: bool = True
+    """DRA mode: preload file contents with `lfs hsm_restore` when the lfs tool exists (else lazy load)."""
+
+    require_lustre_mount: bool = True
+    """DRA mode: refuse to stage unless fsx_root is a Lustre mount (false only for dry runs and tests)."""
+
     def __post_init__(self) -> None:
+        _require(self.stage_mode in ("copy", "dra"), "data.stage_mode", "must be 'copy' or 'dra'")
+        if self.stage_mode == "dra":
+            _require(re.fullmatch(r"fs-[0-9a-f]{8,17}", self.fsx_file_system_id) is not None,
+                     "data.fsx_file_system_id", "must be an FSx file system id (fs-0123456789abcdef0) in dra mode")
+        events = [e.strip() for e in self.dra_auto_import.split(",") if e.strip()]
+        _require(all(e in ("NEW", "CHANGED", "DELETED") for e in events), "data.dra_auto_import",
+                 "must list NEW, CHANGED and/or DELETED")
+        _require(self.dra_import_timeout_seconds > 0, "data.dra_import_timeout_seconds", "must be > 0")
+        _require(self.dra_poll_seconds > 0, "data.dra_poll_seconds", "must be > 0")
         _require(
             self.s3_uri.startswith("s3://") and len(self.s3_uri) > len("s3://"),
             "data.s3_uri",

@@ -34,9 +34,18 @@ def is_held_out(document: str, val_fraction: float) -> bool:
 
 
 def read_documents(files: list[Path]) -> Iterable[str]:
-    """Documents from .txt (blank-line separated) and .jsonl (a "text" field per line) files."""
+    """Documents from .txt (blank-line separated), .jsonl (a "text" field per line) and .parquet (a "text"
+    column) files."""
     for path in sorted(files):
-        if path.suffix == ".jsonl":
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            parquet = pq.ParquetFile(path)
+            if "text" not in parquet.schema_arrow.names:
+                raise DataError(f"{path}: expected a 'text' column, found {parquet.schema_arrow.names}")
+            for batch in parquet.iter_batches(columns=["text"]):
+                yield from (text for text in batch.column(0).to_pylist() if text)
+        elif path.suffix == ".jsonl":
             with path.open(encoding="utf-8") as handle:
                 for line_number, line in enumerate(handle, 1):
                     if not line.strip():
@@ -61,7 +70,7 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
     from trainer.tokenizer import load_tokenizer
 
     if not files:
-        raise DataError(f"no .txt or .jsonl files to tokenize for {out_dir}")
+        raise DataError(f"no .txt, .jsonl or .parquet files to tokenize for {out_dir}")
     loaded = load_tokenizer(tokenizer)
     hasher = hashlib.sha256(f"v{SHARD_FORMAT_VERSION}:{val_fraction}".encode())
     hasher.update(loaded.tokenizer.to_str().encode())

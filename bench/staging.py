@@ -1,0 +1,108 @@
+"""Copy-mode staging against a plain sequential boto3 download of the same objects, in one run.
+
+    .venv/bin/python bench/staging.py                       # ~1 min: 48 x 4 MiB + 2 x 48 MiB objects
+    .venv/bin/python bench/staging.py --objects 16 --mib 1  # quicker
+
+Both read the same objects from the S3-compatible server on loopback, alternating (sequential, copy,
+sequential, copy, …) so machine noise hits both; the best of --repeats is compared.
+- speedup_vs_sequential = sequential seconds / copy-mode seconds, where copy mode is the stage step's
+  download (parallel objects, ranged parts for large ones, size + checksum verification, temp + rename)
+  and sequential is one `download_file` per object, one after the other, unverified.
+- restage_fraction = an unchanged re-stage (the whole stage step: list, compare with the manifest, token
+  cache hit) / the first full stage step (download + tokenization).
+Writes bench/results/staging.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, write_results  # noqa: E402  (bench/ is the script's folder)
+
+from components.stage import copy_from_s3, s3_client, stage_dataset  # noqa: E402
+from pipelines.local_stack import S3Server  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+
+log = logging.getLogger("bench.staging")
+
+
+def upload(client, bucket: str, prefix: str, objects: int, mib: int, big_mib: int) -> int:
+    client.create_bucket(Bucket=bucket)
+    line = b"the quick brown fox jumps over the lazy dog, again and again.\n\n"
+    total = 0
+    sizes = [mib] * objects + [big_mib] * 2
+    for index, size in enumerate(sizes):
+        body = (f"document {index}\n\n".encode() + line * (size * 1024 * 1024 // len(line)))
+        client.put_object(Bucket=bucket, Key=f"{prefix}/part-{index:04d}.txt", Body=body)
+        total += len(body)
+    return total
+
+
+def sequential(client, bucket: str, prefix: str, target: Path) -> float:
+    started = time.perf_counter()
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+            for o in page.get("Contents", [])]
+    for key in keys:
+        path = target / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(bucket, key, str(path))
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--objects", type=int, default=48)
+    parser.add_argument("--mib", type=int, default=4)
+    parser.add_argument("--big-mib", type=int, default=48)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "staging.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-staging-"))
+    try:
+        with S3Server(log_dir=scratch / "logs"):
+            client = s3_client(max_workers=args.workers)
+            size = upload(client, "bench", "corpus", args.objects, args.mib, args.big_mib)
+            seq_times, copy_times = [], []
+            for repeat in range(args.repeats):
+                seq_times.append(sequential(client, "bench", "corpus", scratch / f"seq-{repeat}"))
+                started = time.perf_counter()
+                copy_from_s3(client, "bench", "corpus", scratch / f"copy-{repeat}", {}, max_workers=args.workers)
+                copy_times.append(time.perf_counter() - started)
+                shutil.rmtree(scratch / f"seq-{repeat}")
+                shutil.rmtree(scratch / f"copy-{repeat}")
+                print(f"repeat {repeat}: sequential {seq_times[-1]:.2f} s, copy mode {copy_times[-1]:.2f} s")
+
+            data = load_config(None, ["--data.s3_uri=s3://bench/corpus", f"--data.max_workers={args.workers}"]).data
+            started = time.perf_counter()
+            stage_dataset(data, scratch / "fsx" / "ds", scratch / "fsx")
+            full = time.perf_counter() - started
+            restages = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                again = stage_dataset(data, scratch / "fsx" / "ds", scratch / "fsx")
+                restages.append(time.perf_counter() - started)
+                assert again["downloaded"] == 0, "an unchanged re-stage downloaded objects"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    figures = {"speedup_vs_sequential": min(seq_times) / min(copy_times), "restage_fraction": min(restages) / full,
+               "bytes": size, "objects": args.objects + 2, "workers": args.workers, "cpus": os.cpu_count(),
+               "sequential_seconds": min(seq_times), "copy_seconds": min(copy_times),
+               "full_stage_seconds": full, "restage_seconds": min(restages)}
+    write_results(args.output, figures, "bench/staging.py")
+    print(f"{size / 2**20:.0f} MiB in {args.objects + 2} objects: copy mode {figures['copy_seconds']:.2f} s vs "
+          f"sequential {figures['sequential_seconds']:.2f} s = {figures['speedup_vs_sequential']:.2f}x; "
+          f"unchanged re-stage {figures['restage_seconds']:.2f} s = {figures['restage_fraction']:.1%} of the full "
+          f"stage ({figures['full_stage_seconds']:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
