@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test compile clean
+.PHONY: install demo test compile golden clean
 
 # The constraints file pins torch to the CPU wheel (no multi-GB CUDA download).
 $(STAMP): pyproject.toml constraints.txt
@@ -27,6 +27,10 @@ test: install
 
 compile: install  ## KFP IR YAML of the pipeline
 	$(PY) -m pipelines compile --config local -o build/pipeline.yaml $(ARGS)
+
+golden: install  ## regenerate the golden compiled pipelines the tests diff against
+	$(PY) -m pipelines compile --config local -o tests/golden/pipeline-local.yaml
+	$(PY) -m pipelines compile --config pipelines/configs/eks-example.yaml -o tests/golden/pipeline-eks.yaml
 
 clean:
 	rm -rf work build .pytest_cache

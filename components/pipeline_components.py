@@ -1,20 +1,21 @@
 """Thin KFP wrappers around components.steps: the logic lives there and is tested without KFP.
 
-Every component takes the run's config (one line of JSON), the override list and KFP's job id, from which
-components.steps.resolve_config rebuilds the same Config in every pod. Imports stay inside the function
-bodies: KFP ships each body to its own process (or container on EKS).
+The functions below are plain Python; ``make_components(image)`` turns them into KFP components running
+in the project's image (on EKS ``kubernetes.image``; the local runner executes them in this virtual
+environment, where the image is not used). Imports stay inside the function bodies: KFP ships each body to
+its own process (or container).
+
+Every component takes the run's config (one line of JSON) and the override list, from which
+components.steps.resolve_config rebuilds the same Config in every pod; all but the cached stage also take
+KFP's job id (the run id when the config has none).
 """
 
+from types import SimpleNamespace
+
 from kfp import dsl
-from kfp.dsl import Dataset, Metrics, Output, PipelineTaskFinalStatus
-
-# The project image on EKS (built from this repository); the local runner executes the same functions in
-# this virtual environment. install_kfp_package=False: the image has kfp, and it saves ~0.6 s per step.
-BASE_IMAGE = "public.ecr.aws/docker/library/python:3.11-slim"
-COMPONENT = dict(base_image=BASE_IMAGE, install_kfp_package=False)
+from kfp.dsl import Dataset, Input, Metrics, Output, PipelineTaskFinalStatus
 
 
-@dsl.component(**COMPONENT)
 def prepare_run(config_json: str, overrides: list, kfp_job_id: str) -> str:
     """Validate the config, create the run folder and the MLflow parent run; returns the run folder."""
     import logging
@@ -25,37 +26,68 @@ def prepare_run(config_json: str, overrides: list, kfp_job_id: str) -> str:
     return prepare_step(resolve_config(config_json, overrides, kfp_job_id))["run_dir"]
 
 
-@dsl.component(**COMPONENT)
-def stage_data(config_json: str, overrides: list, kfp_job_id: str, dataset: Output[Dataset]) -> str:
-    """S3 → the FSx path, tokenized; returns the dataset folder the trainer reads."""
+def fingerprint_data(config_json: str, overrides: list) -> str:
+    """The S3 prefix's listing hash (keys, sizes, ETags): the stage step's cache key. Never fails."""
+    import logging
+
+    from components.stage import data_fingerprint
+    from components.steps import resolve_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return data_fingerprint(resolve_config(config_json, overrides, "fingerprint").data)
+
+
+def stage_data(config_json: str, overrides: list, data_fingerprint: str, dataset: Output[Dataset]) -> str:
+    """S3 → the FSx path, tokenized; returns the dataset folder. Cached: the same data is staged once."""
     import json
     import logging
 
-    from components.steps import resolve_config, stage_step
+    from components.steps import resolve_config, stage_only
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = stage_step(resolve_config(config_json, overrides, kfp_job_id))
+    result = stage_only(resolve_config(config_json, overrides, "stage"), data_fingerprint)
     with open(dataset.path, "w") as handle:
         json.dump(result, handle, indent=2)
-    dataset.metadata.update({k: result[k] for k in ("s3_uri", "mode", "objects", "bytes", "content_hash", "manifest_hash")})
+    dataset.metadata.update({k: result[k] for k in ("s3_uri", "mode", "objects", "bytes", "content_hash",
+                                                    "manifest_hash")})
     return result["data_dir"]
 
 
-@dsl.component(**COMPONENT)
-def train_model(config_json: str, overrides: list, kfp_job_id: str, data_dir: str, metrics: Output[Metrics]) -> str:
-    """Run distributed training; returns the final committed checkpoint folder."""
+def record_stage(config_json: str, overrides: list, kfp_job_id: str, dataset: Input[Dataset]) -> str:
+    """Log the (possibly cached) staging to this run's MLflow run; returns the dataset folder."""
+    import json
     import logging
+
+    from components.steps import record_stage_step, resolve_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with open(dataset.path) as handle:
+        staged = json.load(handle)
+    return record_stage_step(resolve_config(config_json, overrides, kfp_job_id), staged)["data_dir"]
+
+
+def train_model(config_json: str, overrides: list, kfp_job_id: str, data_dir: str, metrics: Output[Metrics]) -> str:
+    """Train (locally, or through a TrainJob when kubernetes.enabled); returns the final checkpoint folder.
+    Exit code 1: training failed; 3: the cluster failed (API, permissions, timeout)."""
+    import logging
+    import sys
 
     from components.steps import resolve_config, train_step
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = train_step(resolve_config(config_json, overrides, kfp_job_id), data_dir)
+    try:
+        result = train_step(resolve_config(config_json, overrides, kfp_job_id), data_dir)
+    except Exception as err:  # noqa: BLE001 - the launcher's typed errors carry their exit code
+        code = getattr(err, "exit_code", None)
+        if code is None:
+            raise
+        logging.getLogger("train").error("%s: %s", type(err).__name__, err)
+        sys.exit(code)
     for key in ("steps", "final_loss", "wall_seconds"):
         metrics.log_metric(key, float(result[key]))
     return result["checkpoint"]
 
 
-@dsl.component(**COMPONENT)
 def validate_checkpoint(config_json: str, overrides: list, kfp_job_id: str, checkpoint: str,
                         report: Output[Metrics]) -> str:
     """Fail unless the checkpoint is complete, uncorrupted, reshardable and finite; returns it."""
@@ -70,10 +102,9 @@ def validate_checkpoint(config_json: str, overrides: list, kfp_job_id: str, chec
     return result["checkpoint"]
 
 
-@dsl.component(**COMPONENT)
 def evaluate_model(config_json: str, overrides: list, kfp_job_id: str, checkpoint: str, data_dir: str,
                    metrics: Output[Metrics]) -> float:
-    """Held-out loss and perplexity; returns the held-out loss."""
+    """Held-out loss and perplexity, generations, and the promotion gate; returns the held-out loss."""
     import logging
 
     from components.steps import evaluate_step, resolve_config
@@ -82,10 +113,10 @@ def evaluate_model(config_json: str, overrides: list, kfp_job_id: str, checkpoin
     result = evaluate_step(resolve_config(config_json, overrides, kfp_job_id), checkpoint, data_dir)
     for key in ("heldout_loss", "perplexity", "eval_tokens_per_second"):
         metrics.log_metric(key, float(result[key]))
+    metrics.log_metric("promoted", float(bool((result.get("promotion") or {}).get("promote"))))
     return result["heldout_loss"]
 
 
-@dsl.component(**COMPONENT)
 def finalize_run(config_json: str, overrides: list, kfp_job_id: str, status: PipelineTaskFinalStatus):
     """Exit handler: writes summary.json and closes the MLflow parent run, whether the pipeline passed or not."""
     import logging
@@ -94,3 +125,12 @@ def finalize_run(config_json: str, overrides: list, kfp_job_id: str, status: Pip
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     finalize_step(resolve_config(config_json, overrides, kfp_job_id), status.state)
+
+
+def make_components(image: str) -> SimpleNamespace:
+    """The KFP components, running in `image`. install_kfp_package=False: the image has kfp (and it saves
+    ~0.6 s per step locally)."""
+    functions = (prepare_run, fingerprint_data, stage_data, record_stage, train_model, validate_checkpoint,
+                 evaluate_model, finalize_run)
+    return SimpleNamespace(**{f.__name__: dsl.component(f, base_image=image, install_kfp_package=False)
+                              for f in functions})

@@ -221,6 +221,20 @@ def copy_from_s3(client, bucket: str, prefix: str, raw_dir: Path, previous: dict
             "files": [str(local_path(o)) for o in objects]}
 
 
+def data_fingerprint(data) -> str:
+    """A hash of the prefix's listing (keys, sizes, ETags) — the KFP cache key of the stage step. Never
+    raises: when the listing fails the fingerprint is unique, so the stage step runs and reports the error."""
+    try:
+        bucket, prefix = parse_s3_uri(data.s3_uri)
+        objects = list_objects(s3_client(data.s3_endpoint_url), bucket, prefix)
+    except Exception as err:  # noqa: BLE001
+        log.warning("cannot list %s for the cache key (%s): the stage step will run", data.s3_uri, err)
+        return f"unlisted-{time.time_ns()}"
+    listing = sorted((o["key"], o["bytes"], o["etag"]) for o in objects)
+    return hashlib.sha256(json.dumps([data.s3_uri, data.stage_mode, data.tokenizer, data.val_fraction, listing])
+                          .encode()).hexdigest()[:32]
+
+
 def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[str, Any]:
     """Stage data.s3_uri into <dataset_dir>/raw by data.stage_mode, tokenize it, write the manifest.
 

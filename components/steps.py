@@ -101,43 +101,99 @@ def prepare_step(cfg: Config) -> dict[str, Any]:
     return result
 
 
-def stage_step(cfg: Config) -> dict[str, Any]:
+STAGE_ERROR = "stage.error.json"
+
+
+def stage_only(cfg: Config, data_fingerprint: str = "") -> dict[str, Any]:
+    """Stage the data (no MLflow, nothing in the run folder): what the cached KFP stage task runs.
+
+    A failure is also written to <dataset_dir>/stage.error.json, where the exit handler finds it (a cached
+    task cannot know the pipeline run it serves).
+    """
     from components.stage import stage_dataset
 
-    with _step(cfg, "stage") as (mlflow, run):
+    error_path = cfg.dataset_dir / STAGE_ERROR
+    error_path.unlink(missing_ok=True)
+    try:
         manifest = stage_dataset(cfg.data, cfg.dataset_dir, cfg.fsx_root)
-        splits = manifest["tokens"]["splits"]
+    except BaseException as err:
+        _write_json(error_path, {"step": "stage", "error_type": type(err).__name__, "message": str(err),
+                                 "traceback": traceback.format_exc(), "time": time.time()})
+        raise
+    splits = manifest["tokens"]["splits"]
+    return {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "mode": manifest["mode"],
+            "objects": manifest["object_count"], "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
+            "deleted": len(manifest["deleted"]), "content_hash": manifest["tokens"]["content_hash"],
+            "manifest_hash": manifest["manifest_hash"], "dra": manifest["dra"], "data_fingerprint": data_fingerprint,
+            "stage_seconds": manifest["stage_seconds"], "train_tokens": splits["train"]["tokens"],
+            "val_tokens": splits["val"]["tokens"]}
+
+
+def record_stage_step(cfg: Config, staged: dict[str, Any]) -> dict[str, Any]:
+    """Log a staging result (fresh or from KFP's cache) as this run's stage step."""
+    with _step(cfg, "stage") as (mlflow, run):
         mlflow.log_metrics(run, [{
-            "step": 0, "objects": manifest["object_count"], "bytes": manifest["bytes"],
-            "downloaded_objects": manifest["downloaded"], "stage_seconds": manifest["stage_seconds"],
-            "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"]}])
-        hashes = {"dataset_content_hash": manifest["tokens"]["content_hash"],
-                  "dataset_manifest_hash": manifest["manifest_hash"]}
-        mlflow.set_tags(run, {"stage_mode": manifest["mode"], **hashes})
+            "step": 0, "objects": staged["objects"], "bytes": staged["bytes"],
+            "downloaded_objects": staged["downloaded"], "stage_seconds": staged["stage_seconds"],
+            "train_tokens": staged["train_tokens"], "val_tokens": staged["val_tokens"]}])
+        hashes = {"dataset_content_hash": staged["content_hash"], "dataset_manifest_hash": staged["manifest_hash"]}
+        mlflow.set_tags(run, {"stage_mode": staged["mode"], **hashes})
         mlflow.set_tags(tracking.PARENT, hashes)  # runs are compared by the data they trained on
-        mlflow.log_artifact(run, cfg.dataset_dir / "stage-manifest.json")
-        result = {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "mode": manifest["mode"],
-                  "objects": manifest["object_count"], "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
-                  "deleted": len(manifest["deleted"]), "content_hash": manifest["tokens"]["content_hash"],
-                  "manifest_hash": manifest["manifest_hash"], "dra": manifest["dra"],
-                  "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"]}
-        _write_json(cfg.run_dir / STEPS_DIR / "stage.json", result)
-    return result
+        mlflow.log_artifact(run, Path(staged["data_dir"]) / "stage-manifest.json")
+        _write_json(cfg.run_dir / STEPS_DIR / "stage.json", staged)
+    return staged
+
+
+def stage_step(cfg: Config) -> dict[str, Any]:
+    """Stage and record in one go (direct callers; the pipeline splits the two for caching)."""
+    try:
+        staged = stage_only(cfg)
+    except BaseException as err:
+        _write_json(cfg.run_dir / STEPS_DIR / "stage.error.json",
+                    {"step": "stage", "error_type": type(err).__name__, "message": str(err)})
+        raise
+    return record_stage_step(cfg, staged)
 
 
 def train_step(cfg: Config, data_dir: str) -> dict[str, Any]:
+    from components.plots import training_plots
+    from components.system_metrics import SystemMetricsSampler
     from components.train import checkpoint_metric_records, read_metrics, run_local_training
+    from trainer.events import read_events
 
     with _step(cfg, "train") as (mlflow, run):
-        result = run_local_training(cfg, Path(data_dir))
-        mlflow.log_metrics(run, read_metrics(Path(result["metrics_file"])))
-        mlflow.log_metrics(run, checkpoint_metric_records(cfg.run_dir))
+        with SystemMetricsSampler(interval_seconds=10) as system:
+            result = run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled else run_local_training(cfg, Path(data_dir))
+        metrics = read_metrics(Path(result["metrics_file"]))
+        checkpoints = checkpoint_metric_records(cfg.run_dir)
+        stalls = [c["checkpoint_blocking_seconds"] for c in checkpoints]
+        result["checkpoint_saves"] = len(stalls)
+        result["checkpoint_stall_mean_seconds"] = sum(stalls) / len(stalls) if stalls else 0.0
+        mlflow.log_metrics(run, metrics)
+        mlflow.log_metrics(run, checkpoints)
+        mlflow.log_metrics(run, system.records)
         log_recovery(mlflow, run, cfg, result)
+        for path in training_plots(metrics, checkpoints, read_events(cfg.run_dir, "fault"),
+                                   read_events(cfg.run_dir, "recovery"), cfg.run_dir / "plots"):
+            mlflow.log_artifact(run, path, "plots")
         mlflow.log_artifact(run, cfg.run_dir / "train.log")
         if result.get("checkpoint") is None:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
         _write_json(cfg.run_dir / STEPS_DIR / "train.json", result)
     return result
+
+
+def run_on_cluster(cfg: Config, data_dir: str) -> dict[str, Any]:
+    """The TrainJob launcher with in-cluster credentials (the pipeline pod's ServiceAccount)."""
+    from kubernetes import client, config
+
+    from components.trainjob import InfrastructureError, TrainJobLauncher
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException as err:
+        raise InfrastructureError(f"kubernetes.enabled is true but this pod has no in-cluster credentials: {err}") from err
+    return TrainJobLauncher(cfg, client.CustomObjectsApi(), client.CoreV1Api()).run(data_dir)
 
 
 def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
@@ -163,7 +219,7 @@ def validate_step(cfg: Config, checkpoint: str) -> dict[str, Any]:
     from components.validate import validate_checkpoint
 
     with _step(cfg, "validate") as (mlflow, run):
-        report = validate_checkpoint(Path(checkpoint))
+        report = validate_checkpoint(Path(checkpoint), expected_run_id=cfg.run.run_id)
         mlflow.log_metrics(run, [{
             "step": report["step"], "checkpoint_bytes": report["bytes"], "checkpoint_files": report["files"],
             "load_seconds": report["load_seconds"], "checks_passed": report["num_checks"]}])
@@ -172,16 +228,59 @@ def validate_step(cfg: Config, checkpoint: str) -> dict[str, Any]:
 
 
 def evaluate_step(cfg: Config, checkpoint: str, data_dir: str) -> dict[str, Any]:
-    from components.evaluate import evaluate_checkpoint
+    from components.evaluate import evaluate_checkpoint, heldout_loss
 
+    windows = dict(seq_len=cfg.training.seq_len, batch_size=cfg.eval.batch_size, max_batches=cfg.eval.max_batches)
     with _step(cfg, "evaluate") as (mlflow, run):
-        result = evaluate_checkpoint(Path(checkpoint), Path(data_dir), seq_len=cfg.training.seq_len,
-                                     batch_size=cfg.eval.batch_size, max_batches=cfg.eval.max_batches)
+        result = evaluate_checkpoint(Path(checkpoint), Path(data_dir), **windows, prompts=cfg.eval.prompt_list,
+                                     max_new_tokens=cfg.eval.max_new_tokens)
         mlflow.log_metrics(run, [{
             "step": result["step"], "heldout_loss": result["heldout_loss"], "perplexity": result["perplexity"],
             "eval_tokens_per_second": result["eval_tokens_per_second"]}])
+        if result["generations"]:
+            generations = cfg.run_dir / "generations.json"
+            generations.write_text(json.dumps(result["generations"], indent=2, ensure_ascii=False))
+            mlflow.log_artifact(run, generations)
+        if cfg.eval.register:
+            result["promotion"] = _promotion_gate(cfg, mlflow, run, checkpoint, result,
+                                                  lambda model: heldout_loss(model, Path(data_dir), **windows)["heldout_loss"])
+            decision = result["promotion"]
+            tags = {"promoted": str(decision["promote"]).lower(), "promotion_reason": decision["reason"]}
+            if decision.get("new_version"):
+                tags["registered_version"] = decision["new_version"]
+            mlflow.set_tags(run, tags)
+            mlflow.set_tags(tracking.PARENT, tags)
+            if decision.get("champion_loss") is not None:
+                mlflow.log_metrics(run, [{"step": result["step"], "champion_heldout_loss": decision["champion_loss"]}])
         _write_json(cfg.run_dir / STEPS_DIR / "evaluate.json", result)
     return result
+
+
+def _promotion_gate(cfg: Config, mlflow: tracking.Tracker, run: str, checkpoint: str, result: dict[str, Any],
+                    evaluate_champion) -> dict[str, Any]:
+    """The registry side needs the tracking server now: without it the decision is deferred, not guessed."""
+    from mlflow.tracking import MlflowClient
+
+    from components.promotion import GateDecision, promote_if_better
+    from trainer.export import export_hf
+
+    run_id = mlflow.run_id(run)
+    if run_id is None:
+        return GateDecision(False, f"deferred: MLflow at {cfg.tracking_uri} is unreachable, so the champion "
+                                   "cannot be read; re-evaluate later", result["heldout_loss"],
+                            threshold=cfg.eval.promotion_threshold).as_dict()
+    try:
+        decision = promote_if_better(
+            MlflowClient(cfg.tracking_uri), tracking_uri=cfg.tracking_uri, model_name=cfg.eval.registered_model_name,
+            threshold=cfg.eval.promotion_threshold, candidate_loss=result["heldout_loss"], run_id=run_id,
+            export=lambda out: export_hf(Path(checkpoint), out, overwrite=True), evaluate_champion=evaluate_champion,
+            tags={"pipeline_run_id": cfg.run.run_id, "checkpoint": checkpoint, "step": str(result["step"])})
+    except Exception as err:  # noqa: BLE001 - only outages are deferred; everything else fails the step
+        if not tracking.is_outage(err):
+            raise
+        return GateDecision(False, f"deferred: MLflow became unreachable during the gate ({err}); re-evaluate later",
+                            result["heldout_loss"], threshold=cfg.eval.promotion_threshold).as_dict()
+    return decision.as_dict()
 
 
 def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
@@ -190,8 +289,15 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
 
     steps = {name: read_step_result(cfg, name) for name in ("prepare", "stage", "train", "validate", "evaluate")}
     errors = []
-    for path in sorted((cfg.run_dir / STEPS_DIR).glob("*.error.json")):
+    error_files = sorted((cfg.run_dir / STEPS_DIR).glob("*.error.json"))
+    stage_error = cfg.dataset_dir / STAGE_ERROR
+    started = (steps["prepare"] or {}).get("started_at", float("inf"))
+    if steps["stage"] is None and stage_error.is_file() and json.loads(stage_error.read_text()).get("time", 0) >= started:
+        error_files.append(stage_error)  # the cached stage task wrote it beside the dataset
+    for path in error_files:
         error = json.loads(path.read_text())
+        if any(e["step"] == error["step"] for e in errors):
+            continue
         errors.append({"step": error["step"], "error_type": error["error_type"], "message": error["message"]})
     train, evaluate = steps["train"] or {}, steps["evaluate"] or {}
     succeeded = pipeline_state == "SUCCEEDED" and not errors
@@ -210,6 +316,7 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "final_train_loss": train.get("final_loss"),
         "heldout_loss": evaluate.get("heldout_loss"),
         "heldout_perplexity": evaluate.get("perplexity"),
+        "promotion": evaluate.get("promotion"),
         "recovery_events": read_events(cfg.run_dir, "recovery"),
         "goodput": train.get("goodput"),
         "errors": errors,
@@ -218,7 +325,12 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
     }
     path = cfg.run_dir / SUMMARY
     if steps["prepare"] is not None:  # the parent run exists (or is spooled) only once prepare has run
-        metrics = {k: summary[k] for k in ("steps_trained", "final_train_loss", "heldout_loss") if summary[k] is not None}
+        metrics = {k: summary[k] for k in ("steps_trained", "final_train_loss", "heldout_loss", "goodput")
+                   if summary[k] is not None}
+        if train:
+            metrics.update(recoveries=len(summary["recovery_events"]),
+                           lost_steps=sum(r["lost_steps"] or 0 for r in summary["recovery_events"]),
+                           checkpoint_stall_mean_seconds=train.get("checkpoint_stall_mean_seconds", 0.0))
         if metrics:
             mlflow.log_metrics(tracking.PARENT, [{"step": summary["steps_trained"] or 0, **metrics}])
         _write_json(path, summary)

@@ -169,7 +169,7 @@ class Tracker:
                     except TrackingUnavailable:
                         raise
                     except Exception as err:  # noqa: BLE001 - sorted below: outage or bad record
-                        if _is_outage(err):
+                        if is_outage(err):
                             raise TrackingUnavailable(str(err)) from err
                         # The server answered and refused this record: keep it aside, don't block the rest.
                         log.error("MLflow refused a %s record for run %s: %s (kept in %s)", op["op"], op["run"],
@@ -278,7 +278,7 @@ class Tracker:
         return run_id
 
 
-def _is_outage(err: Exception) -> bool:
+def is_outage(err: Exception) -> bool:
     """Connection failures and 5xx/429 answers are outages (retry later); other refusals are not."""
     import requests
     import sqlalchemy.exc

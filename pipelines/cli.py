@@ -4,6 +4,9 @@
     python -m pipelines run --config local --training.num_steps=50  # with overrides
     python -m pipelines compile --config local -o pipeline.yaml     # KFP IR YAML
     python -m pipelines mlflow-sync work/fsx/runs/RUN_ID             # deliver records spooled in an outage
+    python -m pipelines compare --last 5 --format markdown          # runs side by side, from MLflow
+    python -m pipelines submit --config my-eks.yaml --idempotency-key KEY [--dry-run]    # a run on KFP
+    python -m pipelines schedule --config my-eks.yaml --name nightly --cron "0 0 2 * * *" [--dry-run]
 
 ``run`` starts the embedded stack (S3 server on loopback, MLflow sqlite store, a folder as the FSx
 mount), runs every step through KFP's local runner, writes ``summary.json`` in the run folder and prints
@@ -17,6 +20,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import secrets
 import sys
 import time
@@ -79,6 +83,7 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
         f"  recovery events    {len(summary['recovery_events'])}"
         + (f" (goodput {summary['goodput']:.0%})" if summary.get("goodput") else ""),
         f"  checkpoint         {summary['checkpoint'] or 'n/a'}",
+        f"  promotion          {_promotion_line(summary.get('promotion'))}",
         f"  MLflow run         {summary['mlflow_parent_run_id']} (experiment {summary['mlflow_experiment']})",
         f"  wall time          {summary.get('pipeline_wall_seconds', 0):.1f} s",
     ]
@@ -96,6 +101,30 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
         lines.append(f"  MLflow UI          mlflow ui --backend-store-uri {uri} --port 5000")
     lines.append(str(summary_path))
     print("\n".join(lines))  # the CLI's final summary; the last line is the summary's path for scripts
+
+
+def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
+    from pipelines import submit as kfp_submit
+
+    client = None
+    if not args.dry_run:
+        import kfp
+
+        # Credentials from the environment only: KF_PIPELINES_TOKEN (a bearer token) or kfp.Client's own chain.
+        client = kfp.Client(host=args.host, namespace=args.namespace,
+                            existing_token=os.environ.get("KF_PIPELINES_TOKEN") or None)
+    common = dict(experiment=args.experiment or cfg.run.experiment,
+                  service_account=args.service_account or cfg.kubernetes.pipeline_service_account, dry_run=args.dry_run)
+    try:
+        if args.command == "submit":
+            outcome = kfp_submit.submit(client, cfg, trigger=args.trigger, key=args.idempotency_key, **common)
+        else:
+            outcome = kfp_submit.schedule(client, cfg, name=args.name, cron=args.cron, disable=args.disable, **common)
+    except kfp_submit.SubmitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(outcome, indent=2))
+    return 0
 
 
 def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
@@ -120,6 +149,14 @@ def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
     return 0 if delivered_all else 1
 
 
+def _promotion_line(decision: dict | None) -> str:
+    if not decision:
+        return "n/a"
+    if decision.get("new_version"):
+        return f"registered as version {decision['new_version']} with alias champion ({decision['reason']})"
+    return f"kept the champion: {decision['reason']}"
+
+
 def _seconds(value) -> str:
     return "n/a" if value is None else f"{value:.1f} s"
 
@@ -139,6 +176,34 @@ def main(argv: list[str] | None = None) -> int:
     compile_ = commands.add_parser("compile", help="compile the pipeline to KFP IR YAML")
     _add_config_arguments(compile_)
     compile_.add_argument("-o", "--output", required=True, type=Path, help="where to write the YAML")
+    compare = commands.add_parser("compare", help="compare pipeline runs recorded in MLflow")
+    _add_config_arguments(compare)
+    compare.add_argument("--experiment", help="MLflow experiment (default: the config's run.experiment)")
+    compare.add_argument("--tracking-uri", help="MLflow tracking URI (default: the config's)")
+    compare.add_argument("--last", type=int, default=10, help="the N most recent runs (default 10)")
+    compare.add_argument("--filter", default="", help="an extra MLflow search filter, e.g. \"tags.trigger = 'ci'\"")
+    compare.add_argument("--format", default="table", choices=["table", "csv", "json", "markdown"])
+    compare.add_argument("--plot", type=Path, help="also write a comparison plot (PNG) here")
+    for name, help_text in (("submit", "submit one run to a KFP backend (idempotent)"),
+                            ("schedule", "create, replace or disable a recurring run on a KFP backend")):
+        sub = commands.add_parser(name, help=help_text)
+        _add_config_arguments(sub)
+        sub.add_argument("--host", help="KFP API endpoint (default: kfp.Client's: in-cluster or KF_PIPELINES_ENDPOINT)")
+        sub.add_argument("--namespace", help="KFP namespace (multi-user deployments)")
+        sub.add_argument("--experiment", help="KFP experiment (default: the config's run.experiment)")
+        sub.add_argument("--service-account", help="ServiceAccount of the run's pods "
+                                                   "(default: kubernetes.pipeline_service_account)")
+        sub.add_argument("--dry-run", action="store_true", help="print the request body as JSON; send nothing")
+        if name == "submit":
+            sub.add_argument("--idempotency-key", required=True,
+                             help="unique per logical submission, e.g. \"$GITHUB_RUN_ID-$GITHUB_RUN_ATTEMPT\"; a second "
+                                  "submit with the same key does nothing")
+            sub.add_argument("--trigger", default="manual", choices=["manual", "ci", "schedule"])
+        else:
+            sub.add_argument("--name", required=True, help="the recurring run's name")
+            sub.add_argument("--cron", default="0 0 2 * * *",
+                             help="6-field cron with seconds, UTC (default: daily at 02:00:00)")
+            sub.add_argument("--disable", action="store_true", help="disable the recurring run of that name")
     sync = commands.add_parser("mlflow-sync", help="deliver MLflow records spooled while the server was down")
     sync.add_argument("run_dir", type=Path, help="the run folder (holds config.yaml and mlflow-spool/)")
 
@@ -154,6 +219,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+    if args.command == "compare":
+        from pipelines.compare import comparison_plot, compare_runs, render
+
+        try:
+            rows = compare_runs(args.tracking_uri or cfg.tracking_uri, args.experiment or cfg.run.experiment,
+                                last=args.last, filter_string=args.filter)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(render(rows, args.format))
+        if args.plot:
+            comparison_plot(rows, args.plot)
+            print(args.plot, file=sys.stderr)
+        return 0
+
+    if args.command in ("submit", "schedule"):
+        return _submit_or_schedule(args, cfg)
 
     if args.command == "compile":
         from kfp import compiler

@@ -1,36 +1,73 @@
-"""The resilient-train pipeline: prepare → stage → train → validate → evaluate, with an exit handler.
+"""The resilient-train pipeline: prepare → fingerprint → stage (cached) → record → train → validate →
+evaluate, inside an exit handler that always finalizes the run.
 
 Parameters map onto the config tree: ``config_json`` is a whole config as one line of JSON (by default
 the one the pipeline was built from; one line because KFP copies defaults into the compiled file's header
-comment, where a multi-line value breaks the YAML) and ``overrides`` a list of ``section.key=value`` strings applied on top — the same syntax
-as the CLI, so a recurring run changes one setting without restating the rest.
-"""
+comment, where a multi-line value breaks the YAML) and ``overrides`` a list of ``section.key=value``
+strings applied on top — the same syntax as the CLI, so a recurring run changes one setting without
+restating the rest.
 
+Caching: only the stage task is cached, keyed by the fingerprint of the S3 prefix's listing (an unchanged
+dataset is not staged twice); every other task runs each time. With ``kubernetes.enabled`` each task also
+gets its cluster settings through kfp-kubernetes: the FSx PVC, the MLflow credentials Secret, resources,
+timeouts, and retries with backoff for the stage and the TrainJob launcher.
+"""
 
 from kfp import dsl
 
-from components.pipeline_components import (evaluate_model, finalize_run, prepare_run, stage_data, train_model,
-                                            validate_checkpoint)
+from components.pipeline_components import make_components
 from trainer.config import Config
 
 PIPELINE_NAME = "resilient-train"
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+# (cpu, memory) requests per task on the cluster; validate/evaluate load the whole model on CPU (fp32).
+_RESOURCES = {"light": ("500m", "1Gi"), "stage": ("4", "16Gi"), "launcher": ("500m", "2Gi"), "model": ("8", "96Gi")}
 
 
 def build_pipeline(default_config: Config):
     """A pipeline function whose config_json parameter defaults to default_config."""
     default_json = default_config.to_json()
+    k8s = default_config.kubernetes
+    c = make_components(k8s.image)
+
+    def on_cluster(task, kind: str, timeout_seconds: int, retries: int = 0):
+        if not k8s.enabled:
+            return task
+        from kfp import kubernetes
+
+        cpu, memory = _RESOURCES[kind]
+        task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
+        kubernetes.mount_pvc(task, pvc_name=k8s.fsx_pvc, mount_path=str(default_config.fsx_root))
+        if k8s.mlflow_secret:
+            kubernetes.use_secret_as_env(task, secret_name=k8s.mlflow_secret, optional=True,
+                                         secret_key_to_env={key: key for key in MLFLOW_SECRET_KEYS})
+        kubernetes.set_timeout(task, timeout_seconds)
+        if retries:
+            task.set_retry(num_retries=retries, backoff_duration="60s", backoff_factor=2.0, backoff_max_duration="900s")
+        return task
 
     @dsl.pipeline(name=PIPELINE_NAME, description="Stage data, train with FSDP2 + NVRx, validate, evaluate.")
     def resilient_train(config_json: str = default_json, overrides: list = []):  # noqa: B006 - KFP default
         common = dict(config_json=config_json, overrides=overrides, kfp_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        finalize = finalize_run(**common).set_display_name("finalize")
+        finalize = on_cluster(c.finalize_run(**common).set_display_name("finalize"), "light", 1800)
+        finalize.set_caching_options(False)
         with dsl.ExitHandler(finalize, name="run"):
-            prepare = prepare_run(**common).set_display_name("prepare")
-            stage = stage_data(**common).after(prepare).set_display_name("stage")
-            train = train_model(**common, data_dir=stage.outputs["Output"]).set_display_name("train")
-            train.set_caching_options(False)
-            validate = validate_checkpoint(**common, checkpoint=train.outputs["Output"]).set_display_name("validate")
-            evaluate_model(**common, checkpoint=validate.outputs["Output"],
-                           data_dir=stage.outputs["Output"]).set_display_name("evaluate")
+            prepare = on_cluster(c.prepare_run(**common).set_display_name("prepare"), "light", 1800)
+            fingerprint = on_cluster(c.fingerprint_data(config_json=config_json, overrides=overrides)
+                                     .after(prepare).set_display_name("fingerprint"), "light", 1800)
+            stage = on_cluster(c.stage_data(config_json=config_json, overrides=overrides,
+                                            data_fingerprint=fingerprint.output).set_display_name("stage"),
+                               "stage", 6 * 3600, retries=k8s.step_retries)
+            stage.set_caching_options(True)
+            record = on_cluster(c.record_stage(**common, dataset=stage.outputs["dataset"])
+                                .set_display_name("record stage"), "light", 1800)
+            train = on_cluster(c.train_model(**common, data_dir=record.output).set_display_name("train"), "launcher",
+                               default_config.training.timeout_seconds + 3600, retries=k8s.step_retries)
+            validate = on_cluster(c.validate_checkpoint(**common, checkpoint=train.outputs["Output"])
+                                  .set_display_name("validate"), "model", 4 * 3600)
+            evaluate = on_cluster(c.evaluate_model(**common, checkpoint=validate.outputs["Output"],
+                                                   data_dir=record.output).set_display_name("evaluate"), "model", 4 * 3600)
+            for task in (prepare, fingerprint, record, train, validate, evaluate):
+                task.set_caching_options(False)
 
     return resilient_train

@@ -216,13 +216,16 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]], *, last: bool = False) -> None:
-        """Once per step: finish a completed background write, and save when the interval (or last) says so."""
+    def maybe_save(self, step: int, state_fn: Callable[[], dict[str, Any]], *, last: bool = False) -> bool:
+        """Once per step: finish a completed background write, and save when the interval (or last) says so.
+        True when a save was started."""
         if not self.enabled:
-            return
+            return False
         self._poll()
         if (last or step % self.cfg.interval_steps == 0) and self.last_saved_step != step:
             self.save(step, state_fn())
+            return True
+        return False
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         self._finish_in_flight()  # at most one save in flight

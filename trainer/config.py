@@ -242,10 +242,14 @@ class TrainingConfig:
     log_every: int = 10
     """Log a training-progress line every this many steps (metrics are recorded every step)."""
 
+    prometheus_port: int = 0
+    """Serve Prometheus /metrics from each training process on this port + LOCAL_RANK (0 = off)."""
+
     timeout_seconds: int = 3600
     """Wall-clock limit for the whole training launch; the step fails when it is exceeded."""
 
     def __post_init__(self) -> None:
+        _require(0 <= self.prometheus_port <= 65535 - 64, "training.prometheus_port", "must be in [0, 65471]")
         for name in ("num_steps", "batch_size", "seq_len", "grad_accum_steps", "nproc_per_node", "num_nodes",
                      "num_threads", "log_every", "timeout_seconds"):
             _require(getattr(self, name) >= 1, f"training.{name}", "must be >= 1")
@@ -392,9 +396,32 @@ class EvalConfig:
     max_batches: int = 20
     """Upper bound on evaluation batches (the held-out split may be smaller)."""
 
+    prompts: str = "The|Once upon a time|In the beginning"
+    """Fixed prompts for greedy sample generations ('|'-separated); logged as generations.json."""
+
+    max_new_tokens: int = 48
+    """Tokens generated per prompt (0 = no generations)."""
+
+    register: bool = True
+    """Compare with the registered champion and, if better, register the model and move the alias."""
+
+    registered_model_name: str = "resilient-train-llama"
+    """MLflow Model Registry name of the model line whose champion the candidate is compared with."""
+
+    promotion_threshold: float = 0.0
+    """Relative held-out-loss improvement over the champion required to promote (0.01 = 1 % lower)."""
+
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
         _require(self.max_batches >= 1, "eval.max_batches", "must be >= 1")
+        _require(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
+        _require(0.0 <= self.promotion_threshold < 1.0, "eval.promotion_threshold", "must be in [0, 1)")
+        _require(not self.register or bool(self.registered_model_name.strip()), "eval.registered_model_name",
+                 "must not be empty when eval.register is true")
+
+    @property
+    def prompt_list(self) -> list[str]:
+        return [p for p in (part.strip() for part in self.prompts.split("|")) if p]
 
 
 @dataclass
@@ -427,6 +454,91 @@ class LocalConfig:
 
 
 @dataclass
+class KubernetesConfig:
+    """Running on EKS: the train step creates a Kubeflow Trainer TrainJob; the pipeline's pods get these
+    settings through kfp-kubernetes. Ignored by the local runner unless enabled."""
+
+    enabled: bool = False
+    """Train through a TrainJob on the cluster (the launcher component) instead of on the step's machine."""
+
+    namespace: str = "resilient-train"
+    """Namespace of the pipeline's pods and the TrainJobs."""
+
+    image: str = "ghcr.io/example/resilient-train:latest"
+    """Container image with this project installed (GPU: an NGC/DLC PyTorch base with NVRx >= 0.6)."""
+
+    runtime_name: str = "resilient-train-fsdp-nvrx"
+    """ClusterTrainingRuntime the TrainJob references (manifests/base/trainer)."""
+
+    queue_name: str = "resilient-train"
+    """Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name); empty = no Kueue."""
+
+    service_account: str = "resilient-train-trainer"
+    """ServiceAccount of the training pods (IRSA: S3 checkpoints and data)."""
+
+    pipeline_service_account: str = "resilient-train-pipeline"
+    """ServiceAccount of the pipeline's own pods (IRSA: S3, FSx DRA calls; RBAC: TrainJobs)."""
+
+    fsx_pvc: str = "fsx-claim"
+    """PersistentVolumeClaim of the FSx for Lustre file system, mounted at data.fsx_root."""
+
+    gpus_per_node: int = 8
+    """nvidia.com/gpu per node (training.nproc_per_node should match)."""
+
+    efa_per_node: int = 32
+    """vpc.amazonaws.com/efa devices per node (32 on p5.48xlarge; 0 = no EFA)."""
+
+    shm_size: str = "256Gi"
+    """Size of the /dev/shm memory volume (NCCL, dataloaders, async checkpoint staging)."""
+
+    node_selector: str = "node.kubernetes.io/instance-type=p5.48xlarge"
+    """Training pods' node selector, comma-separated key=value pairs."""
+
+    tolerations: str = "nvidia.com/gpu:NoSchedule"
+    """Training pods' tolerations, comma-separated key[=value]:Effect."""
+
+    mlflow_secret: str = "mlflow-credentials"
+    """Secret whose keys become the pipeline pods' environment (MLFLOW_TRACKING_USERNAME, …); empty = none."""
+
+    prometheus_port: int = 9400
+    """Port of the trainer's /metrics on the cluster (training.prometheus_port is set from it)."""
+
+    launcher_poll_seconds: float = 30.0
+    """How often the launcher checks the TrainJob's state."""
+
+    step_retries: int = 2
+    """Retries (with backoff) of the stage step and the launcher on the cluster."""
+
+    def __post_init__(self) -> None:
+        _require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace) is not None and len(self.namespace) <= 63,
+                 "kubernetes.namespace", "must be a DNS-1123 label")
+        _require(bool(self.image.strip()), "kubernetes.image", "must not be empty")
+        _require(self.gpus_per_node >= 0 and self.efa_per_node >= 0, "kubernetes.gpus_per_node",
+                 "GPU and EFA counts must be >= 0")
+        _require(self.launcher_poll_seconds > 0, "kubernetes.launcher_poll_seconds", "must be > 0")
+        _require(self.step_retries >= 0, "kubernetes.step_retries", "must be >= 0")
+        for pair in filter(None, (p.strip() for p in self.node_selector.split(","))):
+            _require("=" in pair, "kubernetes.node_selector", f"{pair!r} is not key=value")
+        for item in filter(None, (t.strip() for t in self.tolerations.split(","))):
+            _require(item.rsplit(":", 1)[-1] in ("NoSchedule", "PreferNoSchedule", "NoExecute") and ":" in item,
+                     "kubernetes.tolerations", f"{item!r} is not key[=value]:NoSchedule|PreferNoSchedule|NoExecute")
+
+    @property
+    def node_selector_map(self) -> dict[str, str]:
+        return dict(p.strip().split("=", 1) for p in self.node_selector.split(",") if p.strip())
+
+    @property
+    def toleration_list(self) -> list[dict[str, str]]:
+        tolerations = []
+        for item in filter(None, (t.strip() for t in self.tolerations.split(","))):
+            key_value, effect = item.rsplit(":", 1)
+            key, _, value = key_value.partition("=")
+            tolerations.append({"key": key, "operator": "Equal" if value else "Exists", **({"value": value} if value else {}),
+                                "effect": effect})
+        return tolerations
+
+
+@dataclass
 class Config:
     """A whole run: one section per concern."""
 
@@ -440,6 +552,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
     # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
     @property

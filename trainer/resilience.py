@@ -51,7 +51,8 @@ class Heartbeat:
 
 
 class Resilience:
-    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None):
+    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
+                 telemetry=None):
         import psutil
 
         self.cfg = cfg
@@ -63,6 +64,7 @@ class Resilience:
         self.in_process_iteration = in_process.iteration if in_process else 0
         self.ping = in_process.ping if in_process else (lambda: None)
         self.snapshot = in_process.snapshot if in_process else None
+        self.telemetry = telemetry
         self.restart_iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
@@ -154,6 +156,8 @@ class Resilience:
             "first_step": step,
         }
         self.events.write("recovery", **record)
+        if self.telemetry is not None:
+            self.telemetry.observe_recovery(mechanism)
         log.warning("recovered from %s (rank %s, step %s) by %s: reloaded step %d, lost %s steps, %.1f s",
                     record["fault_type"], record["fault_rank"], record["fault_step"], mechanism,
                     record["reloaded_step"], record["lost_steps"], record["recovery_seconds"] or float("nan"))

@@ -35,6 +35,7 @@ from trainer.config import Config, ConfigError, load_config
 from trainer.data import TokenBatches, load_meta
 from trainer.events import EventLog
 from trainer.resilience import Resilience
+from trainer.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from trainer.in_process import InProcessAttempt
@@ -86,7 +87,9 @@ class Trainer:
                       "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
                       "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         )
-        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, self.device, in_process=in_process)
+        self.telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, self.rank)
+        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, self.device, in_process=in_process,
+                                     telemetry=self.telemetry)
         self.resilience.start()
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
 
@@ -218,7 +221,9 @@ class Trainer:
                     log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
                              metrics["tokens_per_second"])
-                self.checkpointer.maybe_save(self.step, self.state_dict, last=not self.should_continue_training())
+                save_started = time.perf_counter()
+                saved = self.checkpointer.maybe_save(self.step, self.state_dict, last=not self.should_continue_training())
+                self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)
                 self.resilience.after_step(self.step, self.state_dict)
         self.checkpointer.maybe_save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
         self.checkpointer.wait()

@@ -1,4 +1,6 @@
-"""The whole pipeline through the CLI, as a user runs it: kfp.local, S3 server on loopback, MLflow sqlite."""
+"""The whole pipeline through the CLI, as a user runs it: kfp.local, the S3 server on loopback, and a real
+MLflow tracking server on loopback (the demo's default sqlite store is covered by `make demo` and the
+failing-run test)."""
 
 import json
 import os
@@ -25,9 +27,28 @@ def work(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def successful_run(work):
+def mlflow_server(work):
+    from pipelines.local_stack import MlflowServer
+
+    with MlflowServer(work / "mlflow-server") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def successful_run(work, mlflow_server):
     proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e", *FAST,
-                   "--faults.schedule=sigkill@4:rank=1", cwd=work)
+                   f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--faults.schedule=sigkill@4:rank=1",
+                   cwd=work)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def second_run(successful_run, work, mlflow_server):
+    """The same training without the fault, so the same held-out loss: the gate must keep the champion."""
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e-2", *FAST,
+                   f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--eval.promotion_threshold=0.001",
+                   cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
@@ -40,13 +61,14 @@ def test_run_prints_summary_path_last_and_summary_has_the_outcome(successful_run
     assert summary["steps_trained"] == 6
     assert summary["final_train_loss"] < 5.5 and summary["heldout_loss"] < 5.5
     assert summary["checkpoint"].endswith("checkpoints/step-000006")
-    assert summary["mlflow_tracking_uri"] == f"sqlite:///{work}/mlflow.db"
+    assert summary["mlflow_tracking_uri"].startswith("http://127.0.0.1:")
+    assert summary["mlflow_pending_records"] == 0
     [recovery] = summary["recovery_events"]
     assert recovery["fault_type"] == "sigkill" and recovery["mechanism"] == "ft_launcher"
     assert recovery["fault_step"] == 4 and recovery["lost_steps"] == 4 - recovery["reloaded_step"]
     assert 0 < summary["goodput"] < 1
     assert "sigkill on rank 1 at step 4: ft_launcher restart" in successful_run.stdout
-    assert "mlflow ui --backend-store-uri" in successful_run.stdout
+    assert "registered as version 1 with alias champion (no champion registered yet)" in successful_run.stdout
 
 
 def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work):
@@ -74,7 +96,54 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert by_step["stage"].data.metrics["objects"] == 4
     train = by_step["train"]
     assert train.data.metrics["recoveries"] == 1 and train.data.metrics["recoveries_ft_launcher"] == 1
-    assert "recovery_events.json" in [a.path for a in client.list_artifacts(train.info.run_id)]
+    artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
+    assert {"recovery_events.json", "train.log", "plots"} <= artifacts
+    assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
+        "plots/loss.png", "plots/throughput.png", "plots/checkpoint_stall.png", "plots/recovery_timeline.png"}
+    assert train.data.metrics["system/cpu_utilization_percentage"] >= 0
+    evaluate = by_step["evaluate"]
+    assert "generations.json" in {a.path for a in client.list_artifacts(evaluate.info.run_id)}
+    assert evaluate.data.tags["promoted"] == "true" and parent.data.tags["promoted"] == "true"
+    assert parent.data.tags["dataset_manifest_hash"] == by_step["stage"].data.tags["dataset_manifest_hash"]
+    assert parent.data.metrics["recoveries"] == 1 and parent.data.metrics["goodput"] == pytest.approx(summary["goodput"])
+
+
+def test_the_first_run_registers_the_champion_and_the_second_is_compared_with_it(second_run, work, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(mlflow_server.tracking_uri)
+    champion = client.get_model_version_by_alias("resilient-train-llama", "champion")
+    assert champion.version == "1" and champion.tags["pipeline_run_id"] == "e2e"
+    files = {a.path for a in client.list_artifacts(champion.run_id, "model")}
+    assert {"model/config.json", "model/model.safetensors", "model/tokenizer.json"} <= files
+
+    first = json.loads((work / "fsx" / "runs" / "e2e" / "summary.json").read_text())
+    second = json.loads((work / "fsx" / "runs" / "e2e-2" / "summary.json").read_text())
+    decision = second["promotion"]
+    assert decision["promote"] is False and decision["champion_version"] == "1"
+    # The champion, re-evaluated from its registered HF export on the same windows, scores what its run did.
+    assert decision["champion_loss"] == pytest.approx(first["heldout_loss"], rel=1e-6)
+    assert second["heldout_loss"] == first["heldout_loss"]  # bit-identical training with and without the fault
+    assert "kept the champion: held-out loss" in second_run.stdout
+    assert len(client.search_model_versions("name = 'resilient-train-llama'")) == 1
+
+
+def test_compare_lists_the_runs_side_by_side(second_run, work, mlflow_server):
+    proc = run_cli("compare", f"--tracking-uri={mlflow_server.tracking_uri}", "--format", "json", "--plot",
+                   str(work / "compare.png"), cwd=work)
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["run"]: row for row in json.loads(proc.stdout)}
+    assert {"e2e", "e2e-2"} <= set(rows)
+    assert rows["e2e"]["promoted"] == "true" and rows["e2e-2"]["promoted"] == "false"
+    assert rows["e2e"]["recoveries"] == 1 and rows["e2e-2"]["recoveries"] == 0
+    assert "faults.schedule=sigkill@4:rank=1" in rows["e2e"]["config_differences"]
+    assert rows["e2e"]["heldout_loss"] == rows["e2e-2"]["heldout_loss"]
+    assert (work / "compare.png").stat().st_size > 0
+
+    markdown = run_cli("compare", f"--tracking-uri={mlflow_server.tracking_uri}", "--last", "1", "--format",
+                       "markdown", cwd=work)
+    assert markdown.stdout.splitlines()[0].startswith("| run | started | status | trigger |")
+    assert len(markdown.stdout.strip().splitlines()) == 3  # header, rule, one run
 
 
 def test_missing_bucket_fails_clearly_and_touches_nothing_saved(successful_run, work):
@@ -84,7 +153,7 @@ def test_missing_bucket_fails_clearly_and_touches_nothing_saved(successful_run, 
     proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=nobucket",
                    "--local.upload_demo_data=false", "--data.s3_uri=s3://no-such-bucket/data", *FAST, cwd=work)
     assert proc.returncode == 1
-    assert "FAILED at stage: StageError: S3 bucket 'no-such-bucket' does not exist" in proc.stdout
+    assert "FAILED at stage: StageError: s3://no-such-bucket/data/: the S3 bucket does not exist" in proc.stdout
     summary = json.loads((work / "fsx" / "runs" / "nobucket" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["errors"][0]["step"] == "stage"
     assert {p.name: p.stat().st_mtime_ns for p in checkpoint.iterdir()} == before
@@ -105,21 +174,3 @@ def test_bad_config_exits_2_naming_the_field(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert not (tmp_path / "fsx").exists()  # nothing was started or written
-
-
-def test_compile_writes_ir_with_the_steps_and_the_exit_handler(tmp_path):
-    import yaml
-
-    out = tmp_path / "pipeline.yaml"
-    proc = run_cli("compile", "--config", "local", "-o", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    spec = yaml.safe_load(out.read_text())
-    assert spec["pipelineInfo"]["name"] == "resilient-train"
-    root_tasks = spec["root"]["dag"]["tasks"]
-    assert set(root_tasks) == {"exit-handler-1", "finalize-run"}
-    assert root_tasks["finalize-run"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
-    inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"prepare-run", "stage-data", "train-model", "validate-checkpoint", "evaluate-model"}
-    assert inner["train-model"]["cachingOptions"] == {}  # caching off for training
-    defaults = spec["root"]["inputDefinitions"]["parameters"]
-    assert json.loads(defaults["config_json"]["defaultValue"])["model"]["preset"] == "tiny"

@@ -21,10 +21,39 @@ def checkpoint_copy(trained_run, tmp_path):
     return target
 
 
-def test_valid_checkpoint_passes_every_check(checkpoint_copy):
-    report = validate_checkpoint(checkpoint_copy)
+def test_valid_checkpoint_passes_every_check(checkpoint_copy, trained_run):
+    cfg, _ = trained_run
+    report = validate_checkpoint(checkpoint_copy, expected_run_id=cfg.run.run_id)
     assert report["checks_passed"] == ["manifest", "dcp_metadata", "reshard_load", "finite"]
     assert report["world_size"] == 2 and report["step"] == 8 and report["bytes"] > 0
+    assert report["optimizer_tensors"] > 0
+
+
+def test_truncated_shard_fails_naming_the_file(checkpoint_copy):
+    shard = sorted(checkpoint_copy.glob("*.distcp"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: \d+ bytes, manifest says \d+ \(truncated"):
+        validate_checkpoint(checkpoint_copy)
+
+
+def test_missing_shard_fails_naming_the_file(checkpoint_copy):
+    shard = sorted(checkpoint_copy.glob("*.distcp"))[0]
+    shard.unlink()
+    with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: listed in the manifest but missing"):
+        validate_checkpoint(checkpoint_copy)
+
+
+def test_a_checkpoint_of_another_run_fails(checkpoint_copy):
+    with pytest.raises(CheckpointValidationError, match=r"written by run '.*', not 'some-other-run'"):
+        validate_checkpoint(checkpoint_copy, expected_run_id="some-other-run")
+
+
+def test_a_manifest_copied_from_another_checkpoint_fails(checkpoint_copy, trained_run):
+    cfg, _ = trained_run
+    other = sorted(p for p in cfg.checkpoint_dir.glob("step-*") if p.name != checkpoint_copy.name)[0]
+    shutil.copy(other / MANIFEST, checkpoint_copy / MANIFEST)
+    with pytest.raises(CheckpointValidationError, match="differs from the manifest|manifest says|records step"):
+        validate_checkpoint(checkpoint_copy)
 
 
 def test_flipped_byte_in_a_shard_fails_naming_the_file(checkpoint_copy):
@@ -54,8 +83,30 @@ def test_nan_weights_fail_even_with_a_consistent_manifest(checkpoint_copy):
     state["trainer"] = {"step": torch.tensor(8)}
     poisoned = checkpoint_copy.parent / "poisoned"
     dcp.save(state, checkpoint_id=str(poisoned), no_dist=True)
-    write_manifest(poisoned, 8, {k: v for k, v in manifest.items() if k not in ("files", "step", "libraries")})
-    with pytest.raises(CheckpointValidationError, match="NaN or Inf"):
+    write_manifest(poisoned, 8, {**{k: v for k, v in manifest.items() if k not in ("files", "step", "libraries")},
+                                 "world_size": 1})  # saved by one process
+    with pytest.raises(CheckpointValidationError, match="parameter .* NaN or Inf"):
+        validate_checkpoint(poisoned)
+
+
+def test_nan_optimizer_state_fails(checkpoint_copy):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(str(checkpoint_copy)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in entries.items()
+             if isinstance(m, TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(checkpoint_copy), no_dist=True)
+    key = next(k for k in state if k.endswith("exp_avg_sq"))
+    state[key].view(-1)[0] = float("inf")
+    poisoned = checkpoint_copy.parent / "poisoned"
+    dcp.save(state, checkpoint_id=str(poisoned), no_dist=True)
+    manifest = json.loads((checkpoint_copy / MANIFEST).read_text())
+    write_manifest(poisoned, 8, {**{k: v for k, v in manifest.items() if k not in ("files", "step", "libraries")},
+                                 "world_size": 1})
+    with pytest.raises(CheckpointValidationError, match=rf"optimizer state {key} holds NaN or Inf"):
         validate_checkpoint(poisoned)
 
 

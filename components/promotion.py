@@ -1,0 +1,110 @@
+"""The promotion gate: a candidate replaces the registered champion only when it is measurably better.
+
+    decision = decide(candidate_loss, champion_loss, threshold)      # pure: unit-tested
+    promote_if_better(client, ...)                                    # the registry side
+
+The champion is the model version carrying the alias ``champion`` in the MLflow Model Registry. It is
+evaluated again on the candidate's held-out windows (the same data, the same code), so a changed dataset
+never compares two numbers measured on different data. A promoted candidate is exported in Hugging Face
+format (config.json, safetensors, tokenizer), logged as the evaluate step's ``model`` artifact, registered
+as a new version and given the alias; the previous champion stays as an older version.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+CHAMPION = "champion"
+
+
+@dataclass
+class GateDecision:
+    promote: bool
+    reason: str
+    candidate_loss: float
+    champion_loss: float | None = None
+    champion_version: str | None = None
+    threshold: float = 0.0
+    new_version: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide(candidate_loss: float, champion_loss: float | None, threshold: float,
+           champion_version: str | None = None) -> GateDecision:
+    """Promote when there is no champion, or the candidate's held-out loss beats it by the relative threshold."""
+    if champion_loss is None:
+        return GateDecision(True, "no champion registered yet", candidate_loss, None, None, threshold)
+    bar = champion_loss * (1.0 - threshold)
+    if candidate_loss < bar:
+        return GateDecision(True, f"held-out loss {candidate_loss:.4f} < {bar:.4f} (champion v{champion_version} "
+                                  f"{champion_loss:.4f}, threshold {threshold:.1%})",
+                            candidate_loss, champion_loss, champion_version, threshold)
+    return GateDecision(False, f"held-out loss {candidate_loss:.4f} does not beat {bar:.4f} (champion "
+                               f"v{champion_version} {champion_loss:.4f}, threshold {threshold:.1%})",
+                        candidate_loss, champion_loss, champion_version, threshold)
+
+
+def champion_version(client, model_name: str):
+    """The version with the champion alias, or None (no such model or alias yet)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.get_model_version_by_alias(model_name, CHAMPION)
+    except MlflowException as err:
+        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
+            return None
+        raise
+
+
+def load_registered_model(version, tracking_uri: str):
+    """Download a registered version's HF folder and load it (CPU, eval mode)."""
+    import mlflow
+    from transformers import LlamaForCausalLM
+
+    target = Path(tempfile.mkdtemp(prefix="champion-"))
+    local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(target),
+                                                tracking_uri=tracking_uri)
+    model = LlamaForCausalLM.from_pretrained(local)
+    model.eval()
+    return model
+
+
+def promote_if_better(client, *, tracking_uri: str, model_name: str, threshold: float, candidate_loss: float, run_id: str,
+                      export: Callable[[Path], Path], evaluate_champion: Callable[[Any], float],
+                      tags: dict[str, str]) -> GateDecision:
+    """Compare with the champion and, if better, export, log, register and alias the candidate."""
+    current = champion_version(client, model_name)
+    champion_loss = None
+    if current is not None:
+        champion_loss = evaluate_champion(load_registered_model(current, tracking_uri))
+    decision = decide(candidate_loss, champion_loss, threshold, current.version if current else None)
+    log.info("promotion gate for %s: %s — %s", model_name, "PROMOTE" if decision.promote else "keep champion",
+             decision.reason)
+    if not decision.promote:
+        return decision
+    with tempfile.TemporaryDirectory(prefix="hf-export-") as scratch:
+        folder = export(Path(scratch) / "model")
+        client.log_artifacts(run_id, str(folder), "model")
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(model_name, description="Llama-architecture models trained by resilient-train")
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    artifact_uri = client.get_run(run_id).info.artifact_uri
+    version = client.create_model_version(model_name, source=f"{artifact_uri}/model", run_id=run_id,
+                                          tags={**tags, "heldout_loss": f"{candidate_loss:.6f}"},
+                                          description=decision.reason)
+    client.set_registered_model_alias(model_name, CHAMPION, version.version)
+    decision.new_version = version.version
+    log.info("registered %s version %s as %s", model_name, version.version, CHAMPION)
+    return decision

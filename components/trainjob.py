@@ -1,0 +1,253 @@
+"""The train step on EKS: create a Kubeflow Trainer v2 TrainJob, follow it, map its end to the step's result.
+
+    job = build_trainjob(cfg, data_dir)                  # the object, validated offline against the CRD
+    result = TrainJobLauncher(cfg, api).run(data_dir)    # create or re-attach, stream logs, wait
+
+Idempotent: the job's name is derived from the pipeline run and the attempt recorded in
+``<run_dir>/steps/trainjob.json`` *before* the job is created, so a retried launcher pod finds the record,
+re-attaches to the job it already submitted and never submits a second one. A job that already exists
+under that name (the record was written, the pod died before the create returned) is adopted as well.
+
+Exit codes of the launcher component: 0 when training succeeded, 1 when the TrainJob failed (a training
+error: the logs say why), 3 for infrastructure errors (API unreachable, forbidden, the job vanished, the
+wait timed out) — distinct so a pipeline retry policy or an operator can tell them apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.config import Config
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+PATCH_MANAGER = "resilient-train.io/launcher"
+CONTAINER = "node"  # the replicated job and container name of the torch runtime
+EXIT_TRAINING_FAILED = 1
+EXIT_INFRASTRUCTURE = 3
+
+
+class InfrastructureError(RuntimeError):
+    """The cluster, not the training, failed: API errors, missing job, timeouts. Exit code 3."""
+
+    exit_code = EXIT_INFRASTRUCTURE
+
+
+class TrainJobFailed(RuntimeError):
+    """The TrainJob reached Failed. Exit code 1."""
+
+    exit_code = EXIT_TRAINING_FAILED
+
+
+def trainjob_name(run_id: str, attempt: int) -> str:
+    """An RFC 1035 label (<= 63 chars) unique per pipeline run and launcher attempt."""
+    base = re.sub(r"[^a-z0-9-]+", "-", run_id.lower()).strip("-") or "run"
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
+    name = f"rt-{base[:40]}-{digest}-a{attempt}"
+    return re.sub(r"^-+|-+$", "", name)
+
+
+def trainer_command(cfg: Config, data_dir: str, job_name: str) -> list[str]:
+    """ft_launcher (or torchrun) on each node. The Trainer's torch plugin sets PET_NNODES, PET_NODE_RANK,
+    PET_MASTER_ADDR and PET_MASTER_PORT in the container; Kubernetes expands $(VAR) in the command."""
+    from trainer import nvrx_compat
+
+    r = cfg.resilience
+    if r.launcher == "ft_launcher":
+        launcher = ["ft_launcher", *nvrx_compat.ft_launcher_flags(r.initial_heartbeat_timeout, r.heartbeat_timeout,
+                                                                 r.max_restarts)]
+    else:
+        launcher = ["torchrun", f"--max-restarts={r.max_restarts}"]
+    # ft_launcher rejects nproc_per_node=auto: always explicit.
+    return [*launcher, f"--nproc-per-node={cfg.training.nproc_per_node}", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", f"--rdzv-id={job_name}", "-m", "trainer",
+            "--config", str(cfg.run_dir / "config.yaml"), "--data-dir", data_dir,
+            f"--training.prometheus_port={cfg.kubernetes.prometheus_port}"]
+
+
+def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0) -> dict[str, Any]:
+    k = cfg.kubernetes
+    resources: dict[str, Any] = {}
+    if k.gpus_per_node:
+        resources["nvidia.com/gpu"] = k.gpus_per_node
+    if k.efa_per_node:
+        resources["vpc.amazonaws.com/efa"] = k.efa_per_node
+    labels = {"app.kubernetes.io/part-of": "resilient-train", "resilient-train.io/run-id": _label(cfg.run.run_id)}
+    if k.queue_name:
+        labels["kueue.x-k8s.io/queue-name"] = k.queue_name
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": k.service_account,
+        "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": k.fsx_pvc}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}],
+        "containers": [{"name": CONTAINER, "volumeMounts": [{"name": "fsx", "mountPath": str(cfg.fsx_root)},
+                                                            {"name": "dshm", "mountPath": "/dev/shm"}]}],
+    }
+    if k.node_selector_map:
+        pod_spec["nodeSelector"] = k.node_selector_map
+    if k.toleration_list:
+        pod_spec["tolerations"] = k.toleration_list
+    name = trainjob_name(cfg.run.run_id, attempt)
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": k.namespace, "labels": labels,
+                     "annotations": {"resilient-train.io/config-hash": cfg.config_hash()}},
+        "spec": {
+            "runtimeRef": {"name": k.runtime_name},
+            "activeDeadlineSeconds": cfg.training.timeout_seconds,
+            "trainer": {
+                "image": k.image,
+                "command": trainer_command(cfg, data_dir, name),
+                "numNodes": cfg.training.num_nodes,
+                "numProcPerNode": cfg.training.nproc_per_node,
+                "resourcesPerNode": {"limits": dict(resources), "requests": dict(resources)} if resources else {},
+                "env": [{"name": "RESILIENT_TRAIN_LAUNCHER", "value": cfg.resilience.launcher},
+                        {"name": "NCCL_SOCKET_IFNAME", "value": "^lo"},
+                        {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}],
+            },
+            "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
+                "replicatedJobs": [{"name": CONTAINER, "template": {"spec": {"template": {"spec": pod_spec}}}}]}}}}],
+        },
+    }
+
+
+def _label(value: str) -> str:
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63].strip("-._")
+    return value or "none"
+
+
+def job_state(job: dict[str, Any]) -> str:
+    """Succeeded, Failed, Suspended (e.g. waiting for Kueue) or Running, from the TrainJob's conditions."""
+    conditions = {c["type"]: c for c in job.get("status", {}).get("conditions", []) if c.get("status") == "True"}
+    if "Complete" in conditions:
+        return "Succeeded"
+    if "Failed" in conditions:
+        return "Failed"
+    if "Suspended" in conditions or job.get("spec", {}).get("suspend"):
+        return "Suspended"
+    return "Running"
+
+
+class TrainJobLauncher:
+    """Create (or re-attach to) the run's TrainJob and wait for it. `api` is a kubernetes CustomObjectsApi;
+    `core` a CoreV1Api for the logs (optional)."""
+
+    def __init__(self, cfg: Config, api, core=None, *, sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.api, self.core = cfg, api, core
+        self.sleep, self.clock = sleep, clock
+        self.record_path = cfg.run_dir / "steps" / "trainjob.json"
+
+    def _record(self) -> dict[str, Any] | None:
+        return json.loads(self.record_path.read_text()) if self.record_path.is_file() else None
+
+    def _write_record(self, record: dict[str, Any]) -> None:
+        self.record_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(self.record_path)
+
+    def submit(self, data_dir: str) -> str:
+        """The job's name: the recorded one (re-attach), or a new job created after recording its name."""
+        from kubernetes.client.exceptions import ApiException
+
+        namespace = self.cfg.kubernetes.namespace
+        record = self._record()
+        if record and record.get("state") not in ("Failed",):
+            try:
+                self.api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, record["name"])
+                log.info("re-attaching to TrainJob %s/%s", namespace, record["name"])
+                return record["name"]
+            except ApiException as err:
+                if err.status != 404:
+                    raise InfrastructureError(f"reading TrainJob {namespace}/{record['name']}: {err.reason}") from err
+        attempt = (record["attempt"] + 1) if record and record.get("state") == "Failed" else (record or {}).get("attempt", 0)
+        job = build_trainjob(self.cfg, data_dir, attempt)
+        name = job["metadata"]["name"]
+        self._write_record({"name": name, "namespace": namespace, "attempt": attempt, "state": "Submitting",
+                            "submitted_at": time.time()})
+        try:
+            self.api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job, field_validation="Strict")
+            log.info("created TrainJob %s/%s (%d nodes x %d processes)", namespace, name, self.cfg.training.num_nodes,
+                     self.cfg.training.nproc_per_node)
+        except ApiException as err:
+            if err.status == 409:  # created by an earlier attempt of this pod: adopt it
+                log.info("TrainJob %s/%s already exists: re-attaching", namespace, name)
+            elif err.status in (401, 403):
+                raise InfrastructureError(f"not allowed to create TrainJobs in {namespace} ({err.reason}): check the "
+                                          "pipeline ServiceAccount's Role (manifests/base/rbac)") from err
+            elif err.status == 422 or err.status == 400:
+                raise InfrastructureError(f"the cluster rejected TrainJob {name}: {err.body}") from err
+            else:
+                raise InfrastructureError(f"creating TrainJob {namespace}/{name}: {err.status} {err.reason}") from err
+        return name
+
+    def wait(self, name: str) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        namespace = self.cfg.kubernetes.namespace
+        deadline = self.clock() + self.cfg.training.timeout_seconds
+        state = None
+        while True:
+            try:
+                job = self.api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            except ApiException as err:
+                if err.status == 404:
+                    raise InfrastructureError(f"TrainJob {namespace}/{name} disappeared while running") from err
+                raise InfrastructureError(f"reading TrainJob {namespace}/{name}: {err.status} {err.reason}") from err
+            new_state = job_state(job)
+            if new_state != state:
+                log.info("TrainJob %s/%s: %s", namespace, name, new_state)
+                state = new_state
+                self._write_record({**(self._record() or {}), "name": name, "state": state})
+            self._stream_logs(name)
+            if state in ("Succeeded", "Failed"):
+                return job
+            if self.clock() >= deadline:
+                raise InfrastructureError(f"TrainJob {namespace}/{name} still {state} after "
+                                          f"{self.cfg.training.timeout_seconds} s (training.timeout_seconds); it "
+                                          "keeps running: delete it or re-run the step to wait again")
+            self.sleep(self.cfg.kubernetes.launcher_poll_seconds)
+
+    def _stream_logs(self, name: str) -> None:
+        """Print new log lines of the job's first pod (node 0, which logs progress)."""
+        if self.core is None:
+            return
+        from kubernetes.client.exceptions import ApiException
+
+        namespace = self.cfg.kubernetes.namespace
+        try:
+            pods = self.core.list_namespaced_pod(namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={name}")
+            items = sorted(pods.items, key=lambda p: p.metadata.name)
+            if not items:
+                return
+            since = getattr(self, "_log_since", None)
+            text = self.core.read_namespaced_pod_log(items[0].metadata.name, namespace, container=CONTAINER,
+                                                     since_seconds=since, timestamps=False)
+            self._log_since = max(1, int(self.cfg.kubernetes.launcher_poll_seconds))
+            for line in (text or "").splitlines():
+                log.info("[%s] %s", items[0].metadata.name, line)
+        except ApiException as err:  # logs are a convenience; the job's state decides
+            log.debug("logs of %s unavailable: %s", name, err.reason)
+
+    def run(self, data_dir: str) -> dict[str, Any]:
+        """Submit or re-attach, wait, and return the trainer's result.json from the shared file system."""
+        name = self.submit(data_dir)
+        job = self.wait(name)
+        if job_state(job) == "Failed":
+            message = next((c.get("message", "") for c in job.get("status", {}).get("conditions", [])
+                            if c["type"] == "Failed"), "")
+            raise TrainJobFailed(f"TrainJob {self.cfg.kubernetes.namespace}/{name} failed: {message} (logs: kubectl "
+                                 f"logs -n {self.cfg.kubernetes.namespace} -l jobset.sigs.k8s.io/jobset-name={name})")
+        result_path = self.cfg.run_dir / "result.json"
+        if not result_path.is_file():
+            raise InfrastructureError(f"TrainJob {name} succeeded but {result_path} is missing: is {self.cfg.kubernetes.fsx_pvc} "
+                                      f"mounted at {self.cfg.fsx_root} in both the pipeline and the training pods?")
+        return {**json.loads(result_path.read_text()), "trainjob": name}

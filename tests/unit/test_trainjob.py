@@ -1,0 +1,143 @@
+"""The TrainJob the launcher creates, validated against the Trainer v2.3.0 CRD schema, and the launcher's
+idempotent create / re-attach / state mapping against a stand-in for the Kubernetes API (the cluster
+cannot exist here; every object sent is schema-checked)."""
+
+import json
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from components.trainjob import (EXIT_INFRASTRUCTURE, InfrastructureError, TrainJobFailed, TrainJobLauncher,
+                                 build_trainjob, job_state, trainjob_name)
+from tests.crd_schema import crd_errors
+from trainer.config import load_config
+
+EKS = "pipelines/configs/eks-example.yaml"
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return load_config(EKS, ["--run.run_id=nightly-2026-11-29", f"--data.fsx_root={tmp_path}"])
+
+
+def test_the_trainjob_validates_strictly_against_the_crd(cfg):
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    assert crd_errors(job) == []
+    spec = job["spec"]
+    assert spec["runtimeRef"] == {"name": "resilient-train-fsdp-nvrx"}
+    assert spec["trainer"]["numNodes"] == 8 and spec["trainer"]["numProcPerNode"] == 8
+    assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    command = spec["trainer"]["command"]
+    assert command[0] == "ft_launcher" and "--nproc-per-node=8" in command and "--max-restarts=3" in command
+    assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in command
+    assert command[command.index("--config") + 1] == str(cfg.run_dir / "config.yaml")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "resilient-train"
+    pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Gi"}} in pod["volumes"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_the_schema_check_catches_unknown_and_mistyped_fields(cfg):
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    job["spec"]["trainer"]["numProcPerNode"] = "auto"  # a string since v2.2 is refused
+    job["spec"]["trainer"]["podSpecOverrides"] = []     # removed in v2.2
+    errors = crd_errors(job)
+    assert any("numProcPerNode" in e for e in errors) and any("podSpecOverrides" in e for e in errors)
+
+
+def test_names_are_rfc1035_labels_unique_per_run_and_attempt():
+    name = trainjob_name("Run_" + "x" * 80, 2)
+    assert len(name) <= 63 and name.endswith("-a2") and name[0].isalpha()
+    assert trainjob_name("a", 0) != trainjob_name("b", 0) and trainjob_name("a", 0) != trainjob_name("a", 1)
+
+
+class FakeCustomObjects:
+    """Stands in for CustomObjectsApi: stores objects, checks each against the CRD, plays a state script."""
+
+    def __init__(self, states=("Running", "Complete")):
+        self.objects, self.creates, self.states = {}, [], list(states)
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body, field_validation=None):
+        assert (group, version, plural, field_validation) == ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "Strict")
+        assert crd_errors(body) == [], crd_errors(body)
+        name = body["metadata"]["name"]
+        if name in self.objects:
+            raise ApiException(status=409, reason="AlreadyExists")
+        self.creates.append(name)
+        self.objects[name] = json.loads(json.dumps(body))
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        if name not in self.objects:
+            raise ApiException(status=404, reason="NotFound")
+        job = self.objects[name]
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if state in ("Complete", "Failed", "Suspended"):
+            job["status"] = {"conditions": [{"type": state, "status": "True", "message": f"job {state.lower()}"}]}
+        return job
+
+
+def finish(cfg):
+    (cfg.run_dir / "result.json").parent.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "result.json").write_text(json.dumps({"steps": 10, "final_loss": 1.5}))
+
+
+def test_launcher_creates_waits_and_reads_the_result(cfg):
+    api = FakeCustomObjects(states=("Suspended", "Running", "Complete"))
+    finish(cfg)
+    sleeps = []
+    result = TrainJobLauncher(cfg, api, sleep=sleeps.append).run("/fsx/datasets/v1")
+    assert result["steps"] == 10 and len(api.creates) == 1
+    assert sleeps == [30.0, 30.0]
+    assert json.loads((cfg.run_dir / "steps" / "trainjob.json").read_text())["state"] == "Succeeded"
+
+
+def test_a_retried_launcher_reattaches_instead_of_submitting_again(cfg):
+    api = FakeCustomObjects(states=("Running",))
+    launcher = TrainJobLauncher(cfg, api, sleep=lambda s: None)
+    first = launcher.submit("/fsx/datasets/v1")
+    again = TrainJobLauncher(cfg, api).submit("/fsx/datasets/v1")  # a new launcher pod, same run
+    assert first == again and api.creates == [first]
+
+
+def test_a_job_created_before_the_pod_died_is_adopted(cfg):
+    api = FakeCustomObjects()
+    name = build_trainjob(cfg, "/d")["metadata"]["name"]
+    api.objects[name] = build_trainjob(cfg, "/d")  # created, but the record says only "Submitting"
+    (cfg.run_dir / "steps").mkdir(parents=True)
+    (cfg.run_dir / "steps" / "trainjob.json").write_text(json.dumps({"name": "lost", "attempt": 0, "state": "Submitting"}))
+    assert TrainJobLauncher(cfg, api).submit("/d") == name and api.creates == []
+
+
+def test_a_failed_job_is_a_training_failure_and_a_rerun_gets_a_new_attempt(cfg):
+    api = FakeCustomObjects(states=("Failed",))
+    launcher = TrainJobLauncher(cfg, api, sleep=lambda s: None)
+    with pytest.raises(TrainJobFailed, match="failed: job failed") as failure:
+        launcher.run("/d")
+    assert failure.value.exit_code == 1
+    api.states = ["Complete"]
+    finish(cfg)
+    TrainJobLauncher(cfg, api, sleep=lambda s: None).run("/d")
+    assert [n[-3:] for n in api.creates] == ["-a0", "-a1"]
+
+
+def test_infrastructure_errors_are_distinct(cfg):
+    class Forbidden(FakeCustomObjects):
+        def create_namespaced_custom_object(self, *args, **kwargs):
+            raise ApiException(status=403, reason="Forbidden")
+
+    with pytest.raises(InfrastructureError, match="not allowed to create TrainJobs in resilient-train") as error:
+        TrainJobLauncher(cfg, Forbidden()).submit("/d")
+    assert error.value.exit_code == EXIT_INFRASTRUCTURE
+
+    clock = iter(range(0, 10**9, 10**6))
+    api = FakeCustomObjects(states=("Running",))
+    with pytest.raises(InfrastructureError, match=r"still Running after 259200 s \(training.timeout_seconds\)"):
+        TrainJobLauncher(cfg, api, sleep=lambda s: None, clock=lambda: next(clock)).run("/d")
+
+
+def test_job_state_mapping():
+    assert job_state({"status": {"conditions": [{"type": "Complete", "status": "True"}]}}) == "Succeeded"
+    assert job_state({"status": {"conditions": [{"type": "Failed", "status": "True"}]}}) == "Failed"
+    assert job_state({"spec": {"suspend": True}}) == "Suspended"
+    assert job_state({"status": {"conditions": [{"type": "Complete", "status": "False"}]}}) == "Running"
