@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+TOOLS_VENV ?= .venv-tools
+TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
@@ -17,7 +19,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip check
 	touch $(STAMP)
 
-install: $(STAMP)
+# checkov and kubernetes-validate for the manifest tests, apart from the project's environment.
+$(TOOLS_STAMP): requirements-tools.txt
+	$(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TOOLS_VENV)/bin/python -m pip install --quiet -r requirements-tools.txt
+	touch $(TOOLS_STAMP)
+
+install: $(STAMP) $(TOOLS_STAMP)
 
 demo: install  ## the whole pipeline locally; pass overrides with ARGS="--section.key=value ..."
 	$(PY) -m pipelines run --config local $(ARGS)
