@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -98,15 +99,21 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": loaded.name, "vocab_size": loaded.vocab_size,
             "dtype": np.dtype(dtype).name, "content_hash": content_hash, "val_fraction": val_fraction, "splits": {}}
+    from tqdm import tqdm
+
     for split, docs in texts.items():
         target = out_dir / f"{split}.bin"
         tmp = target.with_suffix(".bin.tmp")
         count = 0
-        with tmp.open("wb") as handle:
+        # encode_batch runs on all cores (the tokenizers library's Rust thread pool); the bar shows on a terminal.
+        with tmp.open("wb") as handle, tqdm(total=len(docs), desc=f"tokenize {split}", unit="doc",
+                                            disable=not sys.stderr.isatty()) as bar:
             for start in range(0, len(docs), 4096):  # bounded memory for large corpora
-                for ids in loaded.encode_documents(docs[start : start + 4096]):
+                batch = docs[start : start + 4096]
+                for ids in loaded.encode_documents(batch):
                     np.asarray(ids, dtype=dtype).tofile(handle)
                     count += len(ids)
+                bar.update(len(batch))
         tmp.replace(target)
         meta["splits"][split] = {"file": target.name, "tokens": count, "documents": len(docs)}
     tmp_meta = meta_path.with_suffix(".json.tmp")
