@@ -320,6 +320,15 @@ class CheckpointManager:
 
     # -- loading -----------------------------------------------------------------------------------
 
+    def newest_committed_step(self) -> int | None:
+        """Collective: the step of the newest committed folder, unverified (cheap: a directory listing)."""
+        from trainer.checkpoint import committed_checkpoints
+
+        found = committed_checkpoints(self.directory) if self.rank == 0 else []
+        choice = [found[-1][0] if found else None]
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
     def find_latest(self) -> tuple[Path | None, int | None]:
         """Collective: the newest valid checkpoint and its step, (None, None) when there is none.
 

@@ -160,11 +160,16 @@ class Trainer:
             return
         load_started, started = time.time(), time.perf_counter()
         state = self.state_dict()
-        path, disk_step = self.checkpointer.find_latest()
         memory_step = self.resilience.memory_snapshot_step()
+        newest_committed = self.checkpointer.newest_committed_step()
+        path = disk_step = None
+        # Hashing the checkpoint files is skipped when no committed checkpoint is newer than the in-memory copy.
+        if memory_step is None or memory_step < (newest_committed or 0):
+            path, disk_step = self.checkpointer.find_latest()
         source = None
         if memory_step is not None and memory_step >= (disk_step or 0):
             self.resilience.snapshot.restore_into(state)
+            self.checkpointer.last_saved_step = disk_step if path is not None else newest_committed
             source = "memory"
         elif path is not None:
             self.checkpointer.load(state, path, optional=("rng",))
