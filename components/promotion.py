@@ -65,14 +65,15 @@ def champion_version(client, model_name: str):
 
 
 def load_registered_model(version, tracking_uri: str):
-    """Download a registered version's HF folder and load it (CPU, eval mode)."""
+    """Download a registered version's HF folder and load it (CPU, eval mode); the download is removed
+    once the weights are in memory (a large model's files should not pile up in the pod's /tmp)."""
     import mlflow
     from transformers import LlamaForCausalLM
 
-    target = Path(tempfile.mkdtemp(prefix="champion-"))
-    local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(target),
-                                                tracking_uri=tracking_uri)
-    model = LlamaForCausalLM.from_pretrained(local)
+    with tempfile.TemporaryDirectory(prefix="champion-") as target:
+        local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=target,
+                                                    tracking_uri=tracking_uri)
+        model = LlamaForCausalLM.from_pretrained(local)
     model.eval()
     return model
 

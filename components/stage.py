@@ -164,6 +164,11 @@ def _download(client, bucket: str, obj: dict[str, Any], target: Path, transfer_c
         raise
 
 
+def local_path(raw_dir: Path, prefix: str, key: str) -> Path:
+    """Where an object under the prefix lands: its key relative to the prefix, below raw_dir."""
+    return raw_dir / (key[len(prefix) + 1 :] if prefix else key)
+
+
 def _progress_bar(total: int, description: str, unit: str = "B"):
     from tqdm import tqdm
 
@@ -181,12 +186,12 @@ def copy_from_s3(client, bucket: str, prefix: str, raw_dir: Path, previous: dict
     if not objects:
         raise StageError(f"no objects under s3://{bucket}/{prefix} (data.s3_uri): upload the training data there")
 
-    def local_path(obj: dict[str, Any]) -> Path:
-        return raw_dir / (obj["key"][len(prefix) + 1 :] if prefix else obj["key"])
+    def target_of(obj: dict[str, Any]) -> Path:
+        return local_path(raw_dir, prefix, obj["key"])
 
     to_fetch = []
     for obj in objects:
-        target, old = local_path(obj), previous.get(obj["key"])
+        target, old = target_of(obj), previous.get(obj["key"])
         unchanged = (old is not None and (old["etag"], old["bytes"], old.get("mtime")) == (obj["etag"], obj["bytes"], obj["mtime"])
                      and target.is_file() and target.stat().st_size == obj["bytes"])
         if unchanged:
@@ -203,14 +208,14 @@ def copy_from_s3(client, bucket: str, prefix: str, raw_dir: Path, previous: dict
                 bar.update(n)
 
         def fetch(obj: dict[str, Any]) -> None:
-            obj["verified"] = _download(client, bucket, obj, local_path(obj), transfer_config, progress)
+            obj["verified"] = _download(client, bucket, obj, target_of(obj), transfer_config, progress)
 
         with ThreadPoolExecutor(max_workers=max_workers) as pool:
             list(pool.map(fetch, to_fetch))
 
     deleted = []
     if delete_removed and raw_dir.is_dir():
-        keep = {local_path(o) for o in objects}
+        keep = {target_of(o) for o in objects}
         for path in sorted(p for p in raw_dir.rglob("*") if p.is_file()):
             if path not in keep:
                 path.unlink()
@@ -218,7 +223,7 @@ def copy_from_s3(client, bucket: str, prefix: str, raw_dir: Path, previous: dict
     log.info("copied s3://%s/%s: %d objects, %d downloaded, %d unchanged, %d deleted", bucket, prefix, len(objects),
              len(to_fetch), len(objects) - len(to_fetch), len(deleted))
     return {"objects": objects, "downloaded": len(to_fetch), "deleted": deleted,
-            "files": [str(local_path(o)) for o in objects]}
+            "files": [str(target_of(o)) for o in objects]}
 
 
 def data_fingerprint(data) -> str:
@@ -268,13 +273,12 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[
         objects = list_objects(client, bucket, prefix)
         if not objects:
             raise StageError(f"no objects under {data.s3_uri} (data.s3_uri): upload the training data there first")
-        missing = [o["key"] for o in objects
-                   if not (raw_dir / o["key"][len(prefix) + 1 if prefix else 0 :]).is_file()]
+        files = [local_path(raw_dir, prefix, o["key"]) for o in objects]
+        missing = [o["key"] for o, path in zip(objects, files) if not path.is_file()]
         if missing:
             raise StageError(f"{len(missing)} object(s) under {data.s3_uri} are not visible under {raw_dir} after "
                              f"the metadata import (e.g. {missing[0]}): check DRA {dra['association_id']}")
-        copied = {"objects": objects, "downloaded": 0, "deleted": [],
-                  "files": [str(raw_dir / o["key"][len(prefix) + 1 if prefix else 0 :]) for o in objects]}
+        copied = {"objects": objects, "downloaded": 0, "deleted": [], "files": [str(f) for f in files]}
     else:
         copied = copy_from_s3(client, bucket, prefix, raw_dir, previous, max_workers=data.max_workers,
                               delete_removed=data.delete_removed)

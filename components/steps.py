@@ -144,17 +144,6 @@ def record_stage_step(cfg: Config, staged: dict[str, Any]) -> dict[str, Any]:
     return staged
 
 
-def stage_step(cfg: Config) -> dict[str, Any]:
-    """Stage and record in one go (direct callers; the pipeline splits the two for caching)."""
-    try:
-        staged = stage_only(cfg)
-    except BaseException as err:
-        _write_json(cfg.run_dir / STEPS_DIR / "stage.error.json",
-                    {"step": "stage", "error_type": type(err).__name__, "message": str(err)})
-        raise
-    return record_stage_step(cfg, staged)
-
-
 def train_step(cfg: Config, data_dir: str) -> dict[str, Any]:
     from components.plots import training_plots
     from components.system_metrics import SystemMetricsSampler

@@ -293,18 +293,3 @@ def is_outage(err: Exception) -> bool:
         return any(marker in text for marker in ("Max retries exceeded", "Connection", "timed out", "API request to"))
     return False
 
-
-def find_parent_run(tracking_uri: str, experiment: str, pipeline_run_id: str):
-    """The parent run as MLflow has it (for readers such as tests and the compare CLI)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        return None
-    runs = client.search_runs(
-        [exp.experiment_id],
-        filter_string=f"tags.{PIPELINE_RUN_TAG} = '{pipeline_run_id}' and tags.{STEP_TAG} = '{PARENT}'",
-        max_results=1,
-    )
-    return runs[0] if runs else None

@@ -144,6 +144,7 @@ class TrainJobLauncher:
         self.cfg, self.api, self.core = cfg, api, core
         self.sleep, self.clock = sleep, clock
         self.record_path = cfg.run_dir / "steps" / "trainjob.json"
+        self._log_since: int | None = None  # first read: the whole log; then the last poll interval
 
     def _record(self) -> dict[str, Any] | None:
         return json.loads(self.record_path.read_text()) if self.record_path.is_file() else None
@@ -228,9 +229,8 @@ class TrainJobLauncher:
             items = sorted(pods.items, key=lambda p: p.metadata.name)
             if not items:
                 return
-            since = getattr(self, "_log_since", None)
             text = self.core.read_namespaced_pod_log(items[0].metadata.name, namespace, container=CONTAINER,
-                                                     since_seconds=since, timestamps=False)
+                                                     since_seconds=self._log_since, timestamps=False)
             self._log_since = max(1, int(self.cfg.kubernetes.launcher_poll_seconds))
             for line in (text or "").splitlines():
                 log.info("[%s] %s", items[0].metadata.name, line)
