@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import base64
 import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -28,9 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from components.object_paths import BadKey, inside, map_objects
+
 log = logging.getLogger(__name__)
 
 RAW_DIR = "raw"
+PARTIAL_DIR = ".partial"  # downloads in flight, beside raw/
+STAGE_LOCK = ".stage.lock"
 STAGE_MANIFEST = "stage-manifest.json"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 _CHUNK = 8 * 1024 * 1024
@@ -81,6 +87,7 @@ def parse_s3_uri(s3_uri: str) -> tuple[str, str]:
 
 
 def list_objects(client, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    """Every key under the prefix, folder markers included (``map_objects`` decides what each one becomes)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     key_prefix = f"{prefix}/" if prefix else ""
@@ -89,13 +96,32 @@ def list_objects(client, bucket: str, prefix: str) -> list[dict[str, Any]]:
         client.head_bucket(Bucket=bucket)
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
             for item in page.get("Contents", []):
-                if not item["Key"].endswith("/"):
-                    objects.append({"key": item["Key"], "bytes": item["Size"], "etag": item["ETag"].strip('"'),
-                                    "mtime": item["LastModified"].timestamp(),
-                                    "checksum_algorithm": (item.get("ChecksumAlgorithm") or [None])[0]})
+                objects.append({"key": item["Key"], "bytes": item["Size"], "etag": item["ETag"].strip('"'),
+                                "mtime": item["LastModified"].timestamp(),
+                                "checksum_algorithm": (item.get("ChecksumAlgorithm") or [None])[0]})
     except (ClientError, BotoCoreError) as err:
         raise _s3_error(err, f"s3://{bucket}/{key_prefix}") from err
     return objects
+
+
+def select_objects(objects: list[dict[str, Any]], bucket: str, prefix: str, raw_dir: Path,
+                   on_bad_key: str) -> tuple[list[tuple[dict[str, Any], Path]], list[BadKey]]:
+    """(object, path below raw_dir) for every key that is safe to stage; bad keys fail the stage or, with
+    data.on_bad_key=skip, are left out with a warning (and counted in the manifest)."""
+    mapped, bad = map_objects(objects, prefix, raw_dir)
+    if bad and on_bad_key == "fail":
+        shown = "; ".join(f"{b.key!r}: {b.reason}" for b in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise StageError(f"{len(bad)} key(s) under s3://{bucket}/{prefix} cannot become files below {raw_dir}: "
+                         f"{shown}{more}. Rename or remove those objects, or set data.on_bad_key=skip to stage "
+                         "the rest without them")
+    for item in bad:
+        log.warning("skipping s3://%s/%r: %s (data.on_bad_key=skip)", bucket, item.key, item.reason)
+    if not mapped:
+        raise StageError(f"no objects under s3://{bucket}/{prefix} (data.s3_uri)"
+                         + (f" that can be staged ({len(bad)} skipped)" if bad else "")
+                         + ": upload the training data there")
+    return mapped, bad
 
 
 def _checksum(path: Path, algorithm: str) -> str:
@@ -140,12 +166,17 @@ def _verify(client, bucket: str, obj: dict[str, Any], tmp: Path) -> str:
     return "size"
 
 
-def _download(client, bucket: str, obj: dict[str, Any], target: Path, transfer_config, progress) -> str:
+def _download(client, bucket: str, obj: dict[str, Any], target: Path, partial_dir: Path, raw_dir: Path,
+              transfer_config, progress) -> str:
+    """Download into partial_dir (outside raw/, so no key can collide with a temporary name), verify, rename."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
+    tmp = partial_dir / (hashlib.sha256(obj["key"].encode()).hexdigest()[:40] + ".part")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not inside(target.parent, raw_dir):  # a symlink planted below raw/ must not lead the write out
+            raise StageError(f"s3://{bucket}/{obj['key']}: {target.parent} resolves outside {raw_dir}; refusing "
+                             "to write there (remove the symlink)")
         client.download_file(bucket, obj["key"], str(tmp), Config=transfer_config, Callback=progress)
         checked = _verify(client, bucket, obj, tmp)
         os.replace(tmp, target)
@@ -164,66 +195,59 @@ def _download(client, bucket: str, obj: dict[str, Any], target: Path, transfer_c
         raise
 
 
-def local_path(raw_dir: Path, prefix: str, key: str) -> Path:
-    """Where an object under the prefix lands: its key relative to the prefix, below raw_dir."""
-    return raw_dir / (key[len(prefix) + 1 :] if prefix else key)
-
-
 def _progress_bar(total: int, description: str, unit: str = "B"):
     from tqdm import tqdm
 
     return tqdm(total=total, desc=description, unit=unit, unit_scale=True, disable=not sys.stderr.isatty())
 
 
-def copy_from_s3(client, bucket: str, prefix: str, raw_dir: Path, previous: dict[str, dict], *,
-                 max_workers: int = 8, delete_removed: bool = False) -> dict[str, Any]:
-    """Copy mode: download new or changed objects under the prefix into raw_dir."""
+def copy_from_s3(client, bucket: str, mapped: list[tuple[dict[str, Any], Path]], raw_dir: Path,
+                 previous: dict[str, dict], *, max_workers: int = 8, delete_removed: bool = False) -> dict[str, Any]:
+    """Copy mode: download new or changed objects (already mapped to their paths) into raw_dir."""
     import threading
 
     from boto3.s3.transfer import TransferConfig
 
-    objects = list_objects(client, bucket, prefix)
-    if not objects:
-        raise StageError(f"no objects under s3://{bucket}/{prefix} (data.s3_uri): upload the training data there")
-
-    def target_of(obj: dict[str, Any]) -> Path:
-        return local_path(raw_dir, prefix, obj["key"])
-
     to_fetch = []
-    for obj in objects:
-        target, old = target_of(obj), previous.get(obj["key"])
+    for obj, target in mapped:
+        old = previous.get(obj["key"])
         unchanged = (old is not None and (old["etag"], old["bytes"], old.get("mtime")) == (obj["etag"], obj["bytes"], obj["mtime"])
                      and target.is_file() and target.stat().st_size == obj["bytes"])
         if unchanged:
             obj["verified"] = old.get("verified", "size")
         else:
-            to_fetch.append(obj)
+            to_fetch.append((obj, target))
 
+    partial_dir = raw_dir.parent / PARTIAL_DIR
+    shutil.rmtree(partial_dir, ignore_errors=True)  # left by an interrupted stage: never renamed into place
+    partial_dir.mkdir(parents=True)
     transfer_config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD,
                                      max_concurrency=max(1, max_workers // 2), use_threads=True)
     lock = threading.Lock()
-    with _progress_bar(sum(o["bytes"] for o in to_fetch), "download") as bar:
+    with _progress_bar(sum(o["bytes"] for o, _ in to_fetch), "download") as bar:
         def progress(n: int) -> None:
             with lock:
                 bar.update(n)
 
-        def fetch(obj: dict[str, Any]) -> None:
-            obj["verified"] = _download(client, bucket, obj, target_of(obj), transfer_config, progress)
+        def fetch(item: tuple[dict[str, Any], Path]) -> None:
+            obj, target = item
+            obj["verified"] = _download(client, bucket, obj, target, partial_dir, raw_dir, transfer_config, progress)
 
         with ThreadPoolExecutor(max_workers=max_workers) as pool:
             list(pool.map(fetch, to_fetch))
+    shutil.rmtree(partial_dir, ignore_errors=True)
 
     deleted = []
     if delete_removed and raw_dir.is_dir():
-        keep = {target_of(o) for o in objects}
+        keep = {target for _, target in mapped}
         for path in sorted(p for p in raw_dir.rglob("*") if p.is_file()):
             if path not in keep:
                 path.unlink()
                 deleted.append(str(path.relative_to(raw_dir)))
-    log.info("copied s3://%s/%s: %d objects, %d downloaded, %d unchanged, %d deleted", bucket, prefix, len(objects),
-             len(to_fetch), len(objects) - len(to_fetch), len(deleted))
-    return {"objects": objects, "downloaded": len(to_fetch), "deleted": deleted,
-            "files": [str(target_of(o)) for o in objects]}
+    log.info("copied s3://%s: %d objects, %d downloaded, %d unchanged, %d deleted", bucket, len(mapped),
+             len(to_fetch), len(mapped) - len(to_fetch), len(deleted))
+    return {"objects": [obj for obj, _ in mapped], "downloaded": len(to_fetch), "deleted": deleted,
+            "files": [str(target) for _, target in mapped]}
 
 
 def data_fingerprint(data) -> str:
@@ -236,20 +260,29 @@ def data_fingerprint(data) -> str:
         log.warning("cannot list %s for the cache key (%s): the stage step will run", data.s3_uri, err)
         return f"unlisted-{time.time_ns()}"
     listing = sorted((o["key"], o["bytes"], o["etag"]) for o in objects)
-    return hashlib.sha256(json.dumps([data.s3_uri, data.stage_mode, data.tokenizer, data.val_fraction, listing])
+    return hashlib.sha256(json.dumps([data.s3_uri, data.stage_mode, data.tokenizer, data.val_fraction, data.on_bad_key,
+                                      listing])
                           .encode()).hexdigest()[:32]
 
 
 def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[str, Any]:
     """Stage data.s3_uri into <dataset_dir>/raw by data.stage_mode, tokenize it, write the manifest.
 
-    `data` is the config's DataConfig; `fsx` an FSx client for dra mode (created when omitted).
+    `data` is the config's DataConfig; `fsx` an FSx client for dra mode (created when omitted). Concurrent
+    stages of the same dataset folder (two pipeline runs at once) take turns.
     """
+    dataset_dir = Path(dataset_dir)
+    dataset_dir.mkdir(parents=True, exist_ok=True)
+    with (dataset_dir / STAGE_LOCK).open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _stage_locked(data, dataset_dir, Path(fsx_root), fsx)
+
+
+def _stage_locked(data, dataset_dir: Path, fsx_root: Path, fsx) -> dict[str, Any]:
     from trainer.data import tokenize_files
 
     started = time.perf_counter()
     bucket, prefix = parse_s3_uri(data.s3_uri)
-    dataset_dir, fsx_root = Path(dataset_dir), Path(fsx_root)
     raw_dir = dataset_dir / RAW_DIR
     manifest_path = dataset_dir / STAGE_MANIFEST
     previous = {}
@@ -270,17 +303,20 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[
                             timeout=data.dra_import_timeout_seconds, poll_seconds=data.dra_poll_seconds,
                             require_lustre_mount=data.require_lustre_mount, preload_contents=data.preload,
                             max_workers=data.max_workers)
-        objects = list_objects(client, bucket, prefix)
-        if not objects:
-            raise StageError(f"no objects under {data.s3_uri} (data.s3_uri): upload the training data there first")
-        files = [local_path(raw_dir, prefix, o["key"]) for o in objects]
-        missing = [o["key"] for o, path in zip(objects, files) if not path.is_file()]
+        mapped, skipped = select_objects(list_objects(client, bucket, prefix), bucket, prefix, raw_dir, data.on_bad_key)
+        missing = [o["key"] for o, path in mapped if not path.is_file()]
         if missing:
             raise StageError(f"{len(missing)} object(s) under {data.s3_uri} are not visible under {raw_dir} after "
                              f"the metadata import (e.g. {missing[0]}): check DRA {dra['association_id']}")
-        copied = {"objects": objects, "downloaded": 0, "deleted": [], "files": [str(f) for f in files]}
+        # The file system made these files, not us: one that resolves outside raw/ is never read.
+        outside = [str(path) for _, path in mapped if not inside(path, raw_dir)]
+        if outside:
+            raise StageError(f"{outside[0]} resolves outside {raw_dir} (a symlink): refusing to read it")
+        copied = {"objects": [o for o, _ in mapped], "downloaded": 0, "deleted": [],
+                  "files": [str(path) for _, path in mapped]}
     else:
-        copied = copy_from_s3(client, bucket, prefix, raw_dir, previous, max_workers=data.max_workers,
+        mapped, skipped = select_objects(list_objects(client, bucket, prefix), bucket, prefix, raw_dir, data.on_bad_key)
+        copied = copy_from_s3(client, bucket, mapped, raw_dir, previous, max_workers=data.max_workers,
                               delete_removed=data.delete_removed)
 
     text_files = [Path(f) for f in copied["files"] if Path(f).suffix in TEXT_SUFFIXES]
@@ -292,11 +328,12 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[
     manifest = {"mode": data.stage_mode, "s3_uri": data.s3_uri, "dataset_dir": str(dataset_dir),
                 "fsx_path": dra["fsx_path"] if dra else str(raw_dir), "objects": objects,
                 "object_count": len(objects), "bytes": sum(o["bytes"] for o in objects),
-                "downloaded": copied["downloaded"], "deleted": copied["deleted"], "dra": dra, "tokens": tokens,
+                "downloaded": copied["downloaded"], "deleted": copied["deleted"],
+                "skipped_count": len(skipped), "skipped_keys": [b.as_dict() for b in skipped],
+                "dra": dra, "tokens": tokens,
                 "manifest_hash": hashlib.sha256(json.dumps(sorted((o["key"], o["etag"], o["bytes"]) for o in objects))
                                                 .encode()).hexdigest(),
                 "stage_seconds": time.perf_counter() - started}
-    dataset_dir.mkdir(parents=True, exist_ok=True)
     tmp = manifest_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_path)  # written last: a half-staged dataset never has a manifest claiming it complete

@@ -123,7 +123,8 @@ def stage_only(cfg: Config, data_fingerprint: str = "") -> dict[str, Any]:
     splits = manifest["tokens"]["splits"]
     return {"data_dir": str(cfg.dataset_dir), "s3_uri": cfg.data.s3_uri, "mode": manifest["mode"],
             "objects": manifest["object_count"], "bytes": manifest["bytes"], "downloaded": manifest["downloaded"],
-            "deleted": len(manifest["deleted"]), "content_hash": manifest["tokens"]["content_hash"],
+            "deleted": len(manifest["deleted"]), "skipped": manifest["skipped_count"],
+            "content_hash": manifest["tokens"]["content_hash"],
             "manifest_hash": manifest["manifest_hash"], "dra": manifest["dra"], "data_fingerprint": data_fingerprint,
             "stage_seconds": manifest["stage_seconds"], "train_tokens": splits["train"]["tokens"],
             "val_tokens": splits["val"]["tokens"]}

@@ -2,6 +2,7 @@
 
     python -m pipelines run --config local                          # the whole pipeline on this machine
     python -m pipelines run --config local --training.num_steps=50  # with overrides
+    python -m pipelines stage --config local                        # the stage step alone (pre-warm FSx)
     python -m pipelines compile --config local -o pipeline.yaml     # KFP IR YAML
     python -m pipelines mlflow-sync work/fsx/runs/RUN_ID             # deliver records spooled in an outage
     python -m pipelines compare --last 5 --format markdown          # runs side by side, from MLflow
@@ -26,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipelines.demo_data import DemoUploadError
+from pipelines.local_stack import LocalStackError
 from trainer.config import Config, ConfigError, load_config
 
 log = logging.getLogger("pipelines")
@@ -35,39 +38,83 @@ def new_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
 
 
+@contextlib.contextmanager
+def embedded_stack(cfg: Config, log_dir: Path):
+    """The local stand-ins the config asks for: the S3 server on loopback and the uploaded demo corpus."""
+    with contextlib.ExitStack() as stack:
+        if cfg.local.s3_server:
+            from pipelines.local_stack import S3Server
+
+            stack.enter_context(S3Server(log_dir=log_dir))
+        if cfg.local.upload_demo_data:
+            from pipelines.demo_data import upload_demo_data
+
+            upload_demo_data(cfg.data, cfg.local.demo_documents)
+        yield
+
+
 def run_locally(cfg: Config) -> dict:
     """Run the pipeline with kfp.local on this machine; returns the summary (also written to summary.json)."""
     import kfp.local
 
     from pipelines.pipeline import build_pipeline
-    from pipelines.local_stack import S3Server
 
     if not cfg.run.run_id:
         cfg.run.run_id = new_run_id()
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = run_dir / "summary.json"
+    started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        if cfg.local.s3_server:
-            stack.enter_context(S3Server(log_dir=run_dir / "logs"))
-        if cfg.local.upload_demo_data:
-            from components.stage import s3_client
-            from pipelines.demo_data import upload_demo_data
-
-            upload_demo_data(s3_client(cfg.data.s3_endpoint_url), cfg.data.bucket, cfg.data.prefix,
-                             cfg.local.demo_documents)
+        try:
+            stack.enter_context(embedded_stack(cfg, run_dir / "logs"))
+        except (DemoUploadError, LocalStackError) as err:  # before any step: the summary says why
+            summary = failed_before_start(cfg, "local stack", err)
+            summary_path.write_text(json.dumps(summary, indent=2, default=str))
+            return summary
         kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(run_dir / "kfp"),
                        raise_on_error=False)
         pipeline = build_pipeline(cfg)
-        started = time.perf_counter()
         pipeline(config_json=cfg.to_json(), overrides=[])
-        wall = time.perf_counter() - started
-    summary_path = run_dir / "summary.json"
+    wall = time.perf_counter() - started
     if not summary_path.is_file():  # the exit handler itself failed
         raise RuntimeError(f"the pipeline wrote no {summary_path}; see the task logs above")
     summary = json.loads(summary_path.read_text())
     summary["pipeline_wall_seconds"] = wall
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def failed_before_start(cfg: Config, step: str, err: Exception) -> dict:
+    """A summary for a run that failed before its first pipeline step (same keys as finalize's)."""
+    return {"status": "failed", "pipeline_run_id": cfg.run.run_id, "mlflow_tracking_uri": cfg.tracking_uri,
+            "mlflow_experiment": cfg.run.experiment, "mlflow_parent_run_id": None, "mlflow_pending_records": 0,
+            "mlflow_rejected_records": 0, "run_dir": str(cfg.run_dir), "checkpoint_dir": str(cfg.checkpoint_dir),
+            "checkpoint": None, "steps_trained": None, "final_train_loss": None, "heldout_loss": None,
+            "heldout_perplexity": None, "promotion": None, "recovery_events": [], "goodput": None,
+            "errors": [{"step": step, "error_type": type(err).__name__, "message": str(err)}], "steps": {},
+            "finished_at": time.time()}
+
+
+def stage_command(cfg: Config) -> int:
+    """The stage step alone (pre-warming FSx, or trying a dataset): 0 staged, 1 failed."""
+    from components.fsx import FsxError
+    from components.stage import StageError
+    from components.steps import stage_only
+    from trainer.data import DataError
+
+    try:
+        with embedded_stack(cfg, cfg.work_dir / "logs"):
+            staged = stage_only(cfg)
+    except (StageError, FsxError, DataError, DemoUploadError, LocalStackError) as err:
+        print(f"error: stage failed: {err}", file=sys.stderr)
+        return 1
+    manifest = Path(staged["data_dir"]) / "stage-manifest.json"
+    print(f"staged {cfg.data.s3_uri} ({staged['mode']} mode) into {staged['data_dir']}: {staged['objects']} "
+          f"objects, {staged['bytes']} bytes, {staged['downloaded']} downloaded, {staged['skipped']} key(s) skipped, "
+          f"{staged['train_tokens']} train / {staged['val_tokens']} held-out tokens")
+    print(manifest)  # last line: the manifest's path, for scripts
+    return 0
 
 
 def _print_summary(summary: dict, summary_path: Path) -> None:
@@ -173,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the whole pipeline locally (kfp.local)")
     _add_config_arguments(run)
+    stage = commands.add_parser("stage", help="run the stage step alone: S3 -> the FSx path, tokenized")
+    _add_config_arguments(stage)
     compile_ = commands.add_parser("compile", help="compile the pipeline to KFP IR YAML")
     _add_config_arguments(compile_)
     compile_.add_argument("-o", "--output", required=True, type=Path, help="where to write the YAML")
@@ -237,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command in ("submit", "schedule"):
         return _submit_or_schedule(args, cfg)
+
+    if args.command == "stage":
+        return stage_command(cfg)
 
     if args.command == "compile":
         from kfp import compiler

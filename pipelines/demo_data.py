@@ -53,7 +53,11 @@ def demo_files(num_documents: int, num_files: int = 4, seed: int = 0) -> dict[st
     return {name: ("\n".join(lines) + "\n").encode() for name, lines in files.items()}
 
 
-def upload_demo_data(s3_client, bucket: str, prefix: str, num_documents: int) -> int:
+class DemoUploadError(RuntimeError):
+    """The demo corpus could not be uploaded; the message names the S3 location and what to check."""
+
+
+def upload_corpus(s3_client, bucket: str, prefix: str, num_documents: int) -> int:
     """Create the bucket if needed and upload the corpus under prefix; returns the object count."""
     existing = {b["Name"] for b in s3_client.list_buckets().get("Buckets", [])}
     if bucket not in existing:
@@ -64,3 +68,17 @@ def upload_demo_data(s3_client, bucket: str, prefix: str, num_documents: int) ->
         s3_client.put_object(Bucket=bucket, Key=key, Body=body)
     log.info("uploaded %d demo files (%d documents) to s3://%s/%s", len(files), num_documents, bucket, prefix)
     return len(files)
+
+
+def upload_demo_data(data, num_documents: int) -> int:
+    """The demo corpus to data.s3_uri (local.upload_demo_data), with an error that says what to check."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from components.stage import _s3_error, s3_client
+
+    try:
+        return upload_corpus(s3_client(data.s3_endpoint_url), data.bucket, data.prefix,
+                             num_documents)
+    except (ClientError, BotoCoreError) as err:
+        raise DemoUploadError(f"uploading the demo corpus (local.upload_demo_data) failed: "
+                              f"{_s3_error(err, data.s3_uri)}") from err

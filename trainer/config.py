@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -37,6 +38,29 @@ class ConfigError(ValueError):
 def _require(condition: bool, name: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"{name}: {message}")
+
+
+# General purpose bucket names (Amazon S3 User Guide, "General purpose bucket naming rules"): 3-63 characters
+# of lowercase letters, digits, '.' and '-', starting and ending with a letter or digit, no '..', not an IPv4
+# address, none of the reserved prefixes and suffixes.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_BUCKET_RESERVED_PREFIXES = ("xn--", "sthree-", "amzn-s3-demo-")
+_BUCKET_RESERVED_SUFFIXES = ("-s3alias", "--ol-s3", ".mrap", "--x-s3", "--table-s3")
+
+
+def check_s3_uri(uri: str, name: str) -> None:
+    """s3://bucket/prefix with a valid bucket name and no empty segment in the prefix; names the field."""
+    _require(uri.startswith("s3://") and len(uri) > len("s3://"), name, f"{uri!r} must look like s3://bucket/prefix")
+    bucket, _, prefix = uri[len("s3://") :].partition("/")
+    _require(bool(_BUCKET.match(bucket)), name,
+             f"bucket {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, '.' or '-', "
+             "starting and ending with a letter or digit)")
+    _require(".." not in bucket and not re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket)
+             and not bucket.startswith(_BUCKET_RESERVED_PREFIXES) and not bucket.endswith(_BUCKET_RESERVED_SUFFIXES),
+             name, f"bucket {bucket!r} is not a valid S3 bucket name (no '..', not an IP address, no reserved "
+                   "prefix or suffix)")
+    _require("//" not in prefix.rstrip("/") and not prefix.startswith("/"), name,
+             f"prefix {prefix!r} has an empty segment ('//'): S3 keys would not match the folders staged")
 
 
 @dataclass
@@ -121,6 +145,11 @@ class DataConfig:
     require_lustre_mount: bool = True
     """DRA mode: refuse to stage unless fsx_root is a Lustre mount (false only for dry runs and tests)."""
 
+    on_bad_key: Literal["fail", "skip"] = "fail"
+    """What to do with an S3 key that cannot safely become a file below the dataset folder ('..', '.', empty
+    segments, NUL, a segment over NAME_MAX, a file that other keys use as a folder, two keys on one path):
+    'fail' the stage naming the keys, or 'skip' them with a warning (counted in the stage manifest)."""
+
     def __post_init__(self) -> None:
         _require(self.stage_mode in ("copy", "dra"), "data.stage_mode", "must be 'copy' or 'dra'")
         if self.stage_mode == "dra":
@@ -131,11 +160,8 @@ class DataConfig:
                  "must list NEW, CHANGED and/or DELETED")
         _require(self.dra_import_timeout_seconds > 0, "data.dra_import_timeout_seconds", "must be > 0")
         _require(self.dra_poll_seconds > 0, "data.dra_poll_seconds", "must be > 0")
-        _require(
-            self.s3_uri.startswith("s3://") and len(self.s3_uri) > len("s3://"),
-            "data.s3_uri",
-            f"{self.s3_uri!r} must look like s3://bucket/prefix",
-        )
+        _require(self.on_bad_key in ("fail", "skip"), "data.on_bad_key", "must be 'fail' or 'skip'")
+        check_s3_uri(self.s3_uri, "data.s3_uri")
         _require(
             bool(re.match(r"^[A-Za-z0-9._-]+$", self.dataset_name)),
             "data.dataset_name",
@@ -554,6 +580,15 @@ class Config:
     local: LocalConfig = field(default_factory=LocalConfig)
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
+    def __post_init__(self) -> None:
+        # The loader already refuses inf/nan; this covers a Config built in code.
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            for item in dataclasses.fields(values):
+                value = getattr(values, item.name)
+                if isinstance(value, float):
+                    _require(math.isfinite(value), f"{section.name}.{item.name}", f"must be a finite number, got {value}")
+
     # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
     @property
     def work_dir(self) -> Path:
@@ -640,14 +675,19 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
     if annotation is float:
         if isinstance(value, bool):
             raise ConfigError(f"{name}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}: must be a finite number, got {value!r}")
+        return number
     if annotation is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

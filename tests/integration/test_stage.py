@@ -6,7 +6,7 @@ import boto3
 import pytest
 
 from components.stage import MULTIPART_THRESHOLD, StageError, stage_dataset
-from pipelines.demo_data import upload_demo_data
+from pipelines.demo_data import upload_corpus
 from trainer.config import load_config
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ def test_stage_downloads_verifies_and_tokenizes_tricky_keys(s3, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    upload_demo_data(s3, "data", "corpus/v1", num_documents=200)
+    upload_corpus(s3, "data", "corpus/v1", num_documents=200)
     s3.put_object(Bucket="data", Key="corpus/v1/nested/dir with space/ünï.txt", Body="héllo there.\n\nbye now.".encode())
     s3.put_object(Bucket="data", Key="corpus/v1/empty.txt", Body=b"")
     s3.put_object(Bucket="data", Key="corpus/v1/checked.txt", Body=b"with an S3 checksum.", ChecksumAlgorithm="SHA256")
@@ -54,7 +54,7 @@ def test_stage_downloads_verifies_and_tokenizes_tricky_keys(s3, tmp_path):
 
 
 def test_restage_skips_unchanged_fetches_changed_and_deletes_removed(s3, tmp_path):
-    upload_demo_data(s3, "data", "corpus", num_documents=100)
+    upload_corpus(s3, "data", "corpus", num_documents=100)
     s3.put_object(Bucket="data", Key="corpus/old.txt", Body=b"to be removed.")
     first = stage(tmp_path, "s3://data/corpus")
     again = stage(tmp_path, "s3://data/corpus")
@@ -107,7 +107,7 @@ def test_single_part_objects_without_s3_checksums_are_checked_by_md5(s3, tmp_pat
     from botocore.config import Config
 
     plain = boto3.client("s3", config=Config(request_checksum_calculation="when_required"))
-    upload_demo_data(plain, "md5", "d", num_documents=50)
+    upload_corpus(plain, "md5", "d", num_documents=50)
     manifest = stage(tmp_path, "s3://md5/d")
     assert {o["verified"] for o in manifest["objects"]} == {"md5"}
 
@@ -124,7 +124,7 @@ def test_dra_mode_stages_through_the_fsx_api_and_writes_the_same_manifest(s3, tm
     import boto3 as aws
     from botocore.stub import Stubber
 
-    upload_demo_data(s3, "bucket", "datasets/demo", num_documents=50)
+    upload_corpus(s3, "bucket", "datasets/demo", num_documents=50)
     data = load_config(None, ["--data.s3_uri=s3://bucket/datasets/demo", "--data.stage_mode=dra",
                               f"--data.fsx_file_system_id={FS}", "--data.require_lustre_mount=false",
                               "--data.dra_poll_seconds=0.01"]).data

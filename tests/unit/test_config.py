@@ -132,3 +132,44 @@ def test_fault_schedule_grammar():
     schedule = random_schedule(1000, 100.0, ["exception", "sigkill"], world_size=2, seed=3)
     assert schedule == random_schedule(1000, 100.0, ["exception", "sigkill"], world_size=2, seed=3)
     assert 4 <= len(schedule) <= 20 and all(1 <= f.step < 1000 and f.rank in (0, 1) for f in schedule)
+
+
+@pytest.mark.parametrize("uri, message", [
+    ("s3://ab/data", "not a valid S3 bucket name"),
+    ("s3://My_Bucket/data", "not a valid S3 bucket name"),
+    ("s3://" + "a" * 64 + "/data", "not a valid S3 bucket name"),
+    ("s3://bucket-/data", "not a valid S3 bucket name"),
+    ("s3://192.168.1.1/data", "not an IP address"),
+    ("s3://my..bucket/data", "no '..'"),
+    ("s3://xn--bucket/data", "reserved prefix"),
+    ("s3://bucket/a//b", "empty segment"),
+    ("http://bucket/data", "must look like s3://bucket/prefix"),
+])
+def test_s3_uris_follow_s3s_bucket_naming_rules(uri, message):
+    """Amazon S3 User Guide, "General purpose bucket naming rules"."""
+    with pytest.raises(ConfigError, match=f"data.s3_uri: .*{message}"):
+        load_config(None, [f"--data.s3_uri={uri}"])
+
+
+def test_valid_s3_uris_pass():
+    for uri in ("s3://my-bucket.v2/data/set", "s3://abc", "s3://bucket/prefix/"):
+        assert load_config(None, [f"--data.s3_uri={uri}"]).data.s3_uri == uri
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "NaN", "1e999"])
+def test_no_float_field_takes_inf_or_nan(value):
+    with pytest.raises(ConfigError, match="training.lr: must be a finite number"):
+        load_config(None, [f"--training.lr={value}"])
+    with pytest.raises(ConfigError, match="resilience.soft_timeout: must be a finite number"):
+        load_config(None, [f"--resilience.soft_timeout={value}"])
+
+
+def test_inf_from_yaml_and_from_code_is_refused(tmp_path):
+    import dataclasses
+
+    path = tmp_path / "c.yaml"
+    path.write_text("eval:\n  promotion_threshold: .nan\n")
+    with pytest.raises(ConfigError, match="eval.promotion_threshold: must be a finite number"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="faults.slow_seconds: must be a finite number"):
+        dataclasses.replace(Config(), faults=dataclasses.replace(Config().faults, slow_seconds=float("inf")))
