@@ -7,6 +7,7 @@ becomes the launcher of a Kubeflow Trainer TrainJob. Either way the trainer writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,13 +17,18 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 from trainer.config import Config
+from trainer.lease import GENERATION_ENV, RunLease
 
 log = logging.getLogger(__name__)
+
+JOB_TOKEN_ENV = "RESILIENT_TRAIN_JOB_TOKEN"  # inherited by every process of one launch
+RUN_DIR_ENV = "RESILIENT_TRAIN_RUN_DIR"  # and the run folder it trains into (ps e, debugging, tests)
 
 
 # torch prefixes each rank's traceback lines with "[rankN]: ".
@@ -36,36 +42,43 @@ class TrainingError(RuntimeError):
 
 
 def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
-    """ft_launcher (in-job restarts, hang detection) or plain torchrun, on this machine."""
+    """ft_launcher (in-job restarts, hang detection) or plain torchrun, on this machine, through
+    trainer.launcher so that nothing it starts outlives it."""
     from trainer import nvrx_compat
 
     r = cfg.resilience
     if r.launcher == "ft_launcher":
-        launcher = [*nvrx_compat.ft_launcher_command(),
-                    *nvrx_compat.ft_launcher_flags(r.initial_heartbeat_timeout, r.heartbeat_timeout, r.max_restarts)]
+        flags = nvrx_compat.ft_launcher_flags(r.initial_heartbeat_timeout, r.heartbeat_timeout, r.max_restarts)
     else:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--max-restarts={r.max_restarts}"]
+        flags = [f"--max-restarts={r.max_restarts}"]
+    launcher = [sys.executable, "-m", "trainer.launcher", r.launcher, *flags]
     return [*launcher, "--standalone", f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer",
             "--config", str(config_path), "--data-dir", str(data_dir)]
 
 
 def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     """Launch training and relaunch the whole job (up to resilience.job_restarts times) when the launcher
-    gives up; output streams to <run dir>/train.log. Returns result.json plus wall time and goodput."""
+    gives up; output streams to <run dir>/train.log. Returns result.json plus wall time and goodput.
+
+    The run folder's lease is held throughout (a second launch on the same folder is refused with
+    RunFolderBusy), and every attempt runs under a new lease generation, so trainers of an earlier attempt
+    could never write again even if one escaped the stop.
+    """
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
     started = time.time()
-    for attempt in range(cfg.resilience.job_restarts + 1):
-        try:
-            _launch_once(cfg, config_path, data_dir, attempt)
-            break
-        except TrainingError as err:
-            if attempt == cfg.resilience.job_restarts:
-                raise
-            log.warning("training job failed (attempt %d of %d), relaunching: %s", attempt + 1,
-                        cfg.resilience.job_restarts + 1, str(err).splitlines()[0])
+    with RunLease(run_dir) as lease, _cancel_on_sigterm():
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(cfg.to_yaml())
+        for attempt in range(cfg.resilience.job_restarts + 1):
+            try:
+                _launch_once(cfg, config_path, data_dir, attempt, lease.new_generation())
+                break
+            except TrainingError as err:
+                if attempt == cfg.resilience.job_restarts:
+                    raise
+                log.warning("training job failed (attempt %d of %d), relaunching: %s", attempt + 1,
+                            cfg.resilience.job_restarts + 1, str(err).splitlines()[0])
     result_path = run_dir / "result.json"
     if not result_path.is_file():
         raise TrainingError(f"training finished but wrote no {result_path}; log: {run_dir / 'train.log'}")
@@ -76,13 +89,75 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     return result
 
 
-def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int) -> None:
+class JobCancelled(RuntimeError):
+    """The train step was asked to stop (SIGTERM: a KFP cancel, a pod deletion); every process was stopped."""
+
+
+@contextlib.contextmanager
+def _cancel_on_sigterm():
+    """SIGTERM becomes JobCancelled in the main thread, so the launch below stops its whole job first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def cancel(signum, frame):
+        raise JobCancelled(f"training cancelled by signal {signum}: every training process was stopped")
+
+    previous = signal.signal(signal.SIGTERM, cancel)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def job_processes(token: str, variable: str = JOB_TOKEN_ENV) -> list:
+    """Every live process of one launch (or, with variable=RUN_DIR_ENV, of one run folder): they all inherit
+    it, whoever their parent is now."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(variable) == token:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def stop_job(proc: subprocess.Popen, token: str, grace_seconds: float = 10.0) -> None:
+    """Stop the launcher (SIGTERM: it stops its workers; SIGKILL after the grace), then SIGKILL every process
+    left with the launch's token — workers in sessions of their own, DCP writers, rank monitors."""
+    import psutil
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    left = job_processes(token)
+    for survivor in left:
+        try:
+            survivor.kill()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(left, timeout=grace_seconds)
+    if left:
+        log.warning("stopped %d process(es) the launcher left behind%s", len(left),
+                    f"; {len(alive)} did not exit" if alive else "")
+
+
+def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, generation: int) -> None:
     from trainer.resilience import JOB_ATTEMPT_ENV, LAUNCHER_ENV
 
     log_path = cfg.run_dir / "train.log"
     command = launch_command(cfg, config_path, data_dir)
-    log.info("launching (attempt %d): %s", attempt + 1, " ".join(command))
+    log.info("launching (attempt %d, lease generation %d): %s", attempt + 1, generation, " ".join(command))
+    token = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: cfg.resilience.launcher, JOB_ATTEMPT_ENV: str(attempt),
+           JOB_TOKEN_ENV: token, RUN_DIR_ENV: str(cfg.run_dir), GENERATION_ENV: str(generation),
            # the launcher itself imports pynvml through torch.cuda; its deprecation notice is noise.
            "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
     tail: deque[str] = deque(maxlen=40)
@@ -97,7 +172,8 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int) -
                 errors.append(match.group(1))
             sys.stdout.write(line)
 
-    # A session of its own: on timeout the launcher, every rank and their helpers are killed together.
+    # The launcher's own session keeps a Ctrl-C of the pipeline from reaching the ranks twice; the ranks sit
+    # in sessions of their own anyway, which is why stopping goes by the launch's token, not a process group.
     with log_path.open("a") as log_file, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                          text=True, env=env, start_new_session=True) as proc:
         reader = threading.Thread(target=pump, args=(proc.stdout, log_file), daemon=True)
@@ -105,11 +181,11 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int) -
         try:
             returncode = proc.wait(timeout=cfg.training.timeout_seconds)
         except subprocess.TimeoutExpired as err:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise TrainingError(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; "
-                                f"log: {log_path}") from err
+            stop_job(proc, token)
+            raise TrainingError(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; every "
+                                f"training process was stopped; log: {log_path}") from err
         finally:
+            stop_job(proc, token)  # after an exit, a cancel or a timeout: nothing of this launch outlives it
             reader.join(timeout=10)
     if returncode != 0:
         causes = "\n".join(dict.fromkeys(errors)) or "".join(tail)

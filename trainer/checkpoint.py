@@ -88,6 +88,9 @@ def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[st
         handle.flush()
         os.fsync(handle.fileno())
     tmp.replace(folder / MANIFEST)
+    # The folder's entries (shards, .metadata, the manifest's rename) reach the disk before the folder itself
+    # is renamed into place: after a power loss a committed name never points at missing entries.
+    fsync_dir(folder)
     return manifest
 
 
@@ -132,6 +135,19 @@ def verify_checkpoint(folder: Path) -> Verification:
         elif hash_file(path, algorithm) != expected["hash"]:
             problems.append(f"{path}: content hash ({algorithm}) differs from the manifest (corrupted)")
     return Verification(folder, problems, manifest)
+
+
+STALE_SUFFIXES = (".tmp", ".deleting")  # a save that never committed; a deletion that never finished
+_REPLACED = re.compile(r"^step-\d+\.replaced-\d+$")
+
+
+def stale_folders(directory: Path) -> list[Path]:
+    """Folders a crash left behind: never committed, or half deleted. None of them is ever read."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(child for child in directory.iterdir() if child.is_dir() and child.name.startswith("step-")
+                  and (child.name.endswith(STALE_SUFFIXES) or _REPLACED.match(child.name)))
 
 
 def committed_checkpoints(directory: Path) -> list[tuple[int, Path]]:

@@ -32,8 +32,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint import (committed_checkpoints, fsync_dir, latest_valid_checkpoint, step_dir_name,
-                                write_manifest)
+from trainer.checkpoint import (MANIFEST, committed_checkpoints, fsync_dir, latest_valid_checkpoint, stale_folders,
+                                step_dir_name, verify_checkpoint, write_manifest)
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog
 
@@ -194,21 +194,45 @@ class _InFlight:
     blocking_seconds: float
 
 
+# The sub-steps of a save where a crash is drilled (faults.schedule "kill_at_<point>@STEP"); see save_point.
+SAVE_POINTS = ("shard_write", "before_manifest", "before_rename", "before_parent_fsync", "retention")
+
+
+def _no_hook(point: str, step: int) -> None:
+    return None
+
+
 class CheckpointManager:
-    """Saves, commits and loads training state; collective methods are called on every rank."""
+    """Saves, commits and loads training state; collective methods are called on every rank.
+
+    `save_point(point, step)` is called at each of SAVE_POINTS while step's save passes it (the fault
+    injector's crash drills; a no-op otherwise).
+    """
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, device: torch.device,
-                 metadata: dict[str, Any], events: EventLog):
+                 metadata: dict[str, Any], events: EventLog, save_point: Callable[[str, int], None] = _no_hook,
+                 fence=None):
         self.directory = Path(directory)
         self.cfg = cfg
         self.rank = rank
         self.metadata = metadata
         self.events = events
+        self.save_point = save_point
+        self.fence = fence  # trainer.lease.Fence: a superseded trainer never commits
         self.backend = make_backend(cfg, device) if cfg.enabled else None
         self.last_saved_step: int | None = None
         self._in_flight: _InFlight | None = None
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._commit_future: Future | None = None
+        self._verified: dict[Path, tuple[int, bool]] = {}  # folder -> (manifest mtime, verified ok)
+        if rank == 0 and cfg.enabled:
+            self._remove_stale()
+
+    def _remove_stale(self) -> None:
+        """At start-up no save of this job is in flight: what a crash left half-written or half-deleted goes."""
+        for folder in stale_folders(self.directory):
+            log.info("removing %s (left by an interrupted save or deletion)", folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
     @property
     def enabled(self) -> bool:
@@ -228,7 +252,8 @@ class CheckpointManager:
         return False
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        self._finish_in_flight()  # at most one save in flight
+        # At most one save in flight, its commit included: a crash during this save then costs this save only.
+        self.wait()
         staging = self.directory / (step_dir_name(step) + ".tmp")
         if self.rank == 0:
             if staging.exists():  # left by a crash mid-save: never committed, safe to drop
@@ -238,6 +263,7 @@ class CheckpointManager:
         started = time.perf_counter()
         write = self.backend.start(state, staging)
         blocking = time.perf_counter() - started
+        self.save_point("shard_write", step)  # async: the shards are being written right now
         self._in_flight = _InFlight(step, staging, write, started, blocking)
         self.last_saved_step = step
         if self.cfg.mode == "sync":
@@ -272,14 +298,20 @@ class CheckpointManager:
             # Linux nice is per thread: this lowers only the commit thread (hashing), not the training loop.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.cfg.background_nice)
         started = time.perf_counter()
-        manifest = write_manifest(flight.staging, flight.step, self.metadata)
+        self.save_point("before_manifest", flight.step)
+        manifest = write_manifest(flight.staging, flight.step, self.metadata)  # fsyncs the folder's entries
+        self.save_point("before_rename", flight.step)
         final = self.directory / step_dir_name(flight.step)
         replaced = None
         if final.exists():  # e.g. a step-N that failed verification and was replayed: move it aside first
             replaced = final.with_name(f"{final.name}.replaced-{int(time.time())}")
             final.rename(replaced)
-        flight.staging.rename(final)
+        if self.fence is not None:
+            self.fence.check()
+        flight.staging.rename(final)  # the commit
+        self.save_point("before_parent_fsync", flight.step)
         fsync_dir(self.directory)
+        self._verified[final] = ((final / MANIFEST).stat().st_mtime_ns, True)  # hashed just now, by us
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         commit_seconds = time.perf_counter() - started
@@ -291,14 +323,44 @@ class CheckpointManager:
                           mb_per_second=size / 1e6 / total if total > 0 else None)
         log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3f s, write %.2f s, commit %.2f s)",
                  flight.step, final, size / 1e6, flight.blocking_seconds, write_seconds, commit_seconds)
-        self._apply_retention()
+        self._apply_retention(flight.step)
 
-    def _apply_retention(self) -> None:
-        committed = committed_checkpoints(self.directory)
-        # The newest is the one just committed and verified by construction, so it is never deleted.
-        for _, folder in committed[: max(0, len(committed) - self.cfg.keep_last)]:
+    def _is_valid(self, folder: Path) -> bool:
+        """Verified against its manifest, once per process per manifest (committed folders do not change)."""
+        try:
+            stamp = (folder / MANIFEST).stat().st_mtime_ns
+        except FileNotFoundError:
+            stamp = -1
+        known = self._verified.get(folder)
+        if known is None or known[0] != stamp:
+            result = verify_checkpoint(folder)
+            if not result.ok:
+                log.warning("checkpoint %s does not verify: %s", folder, "; ".join(result.problems))
+            known = self._verified[folder] = (stamp, result.ok)
+        return known[1]
+
+    def _apply_retention(self, step: int) -> None:
+        """Keep the newest checkpoint.keep_last *valid* checkpoints; a broken one never counts as kept.
+
+        Deleted: valid ones beyond keep_last, and broken ones older than the newest valid one (nothing would
+        ever resume from them). A broken one newer than every valid one stays until its step is saved again
+        (then it is replaced). Each deletion renames the folder to step-N.deleting first, so a crash mid-way
+        leaves a folder no reader takes for a checkpoint (removed at the next start).
+        """
+        valid: list[Path] = []
+        doomed: list[Path] = []
+        for _, folder in reversed(committed_checkpoints(self.directory)):  # newest first
+            if self._is_valid(folder):
+                (valid if len(valid) < self.cfg.keep_last else doomed).append(folder)
+            elif valid:
+                doomed.append(folder)
+        for folder in doomed:
             log.info("retention: deleting %s", folder)
-            shutil.rmtree(folder, ignore_errors=True)
+            deleting = folder.with_name(folder.name + ".deleting")
+            folder.rename(deleting)
+            self._verified.pop(folder, None)
+            self.save_point("retention", step)
+            shutil.rmtree(deleting, ignore_errors=True)
 
     def wait(self) -> None:
         """Finish the save in flight and its commit."""

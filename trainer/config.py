@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import yaml
 
+from trainer.faults import FAULT_TYPES, parse_schedule
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "pipelines" / "configs"
 
 _RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -377,9 +379,6 @@ class ResilienceConfig:
                  f"must be in (0, resilience.soft_timeout={self.soft_timeout})")
 
 
-FAULT_TYPES = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash")
-
-
 @dataclass
 class FaultsConfig:
     """Fault injection for drills, tests and benchmarks; off unless a schedule is given. Always logged."""
@@ -387,7 +386,9 @@ class FaultsConfig:
     schedule: str = ""
     """Comma-separated faults, TYPE@STEP or TYPE@t=SECONDS with an optional :rank=R, e.g.
     'sigkill@120:rank=1, hang@200'. Types: exception, hang, hang_in_collective, sigkill, exit (OOM-like,
-    code 137), slow_rank, checkpoint_writer_crash. Each fault fires once per run, so a replayed step does not
+    code 137), slow_rank, checkpoint_writer_crash, and the save drills kill_during_shard_write,
+    kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
+    sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not
     fire it again."""
 
     mtbf_steps: float = 0.0
@@ -407,9 +408,10 @@ class FaultsConfig:
         _require(self.slow_seconds >= 0, "faults.slow_seconds", "must be >= 0")
         for name in (t.strip() for t in self.random_types.split(",") if t.strip()):
             _require(name in FAULT_TYPES, "faults.random_types", f"{name!r} is not one of {list(FAULT_TYPES)}")
-        from trainer.faults import parse_schedule  # validates the grammar, naming the bad item
-
-        parse_schedule(self.schedule)
+        try:
+            parse_schedule(self.schedule)
+        except ValueError as err:
+            raise ConfigError(f"faults.schedule: {err}") from err
 
 
 @dataclass

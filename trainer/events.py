@@ -15,12 +15,17 @@ EVENTS_DIR = "events"
 
 
 class EventLog:
-    def __init__(self, run_dir: Path, rank: int):
+    """One rank's events file; with a fence (trainer.lease.Fence), a superseded trainer appends nothing."""
+
+    def __init__(self, run_dir: Path, rank: int, fence=None):
         self.path = Path(run_dir) / EVENTS_DIR / f"rank-{rank}.jsonl"
         self.rank = rank
+        self.fence = fence
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
+        if self.fence is not None:
+            self.fence.check()
         record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
         # Open per record: a SIGKILL can lose at most the line being written, never earlier ones.
         with self.path.open("a") as handle:

@@ -1,6 +1,10 @@
 """Fault injection: real faults at chosen steps, times or on a seeded schedule, for drills, tests and benchmarks.
 
-    faults.schedule = "sigkill@120:rank=1, hang@200, exception@t=30"
+    faults.schedule = "sigkill@120:rank=1, hang@200, exception@t=30, kill_before_rename@40"
+
+Loop faults fire after a step (``maybe_inject``); save drills SIGKILL the process at one sub-step of a save
+(``at_save_point``, called by the checkpoint manager), to prove that a crash anywhere in a save costs no more
+than that save.
 
 Each fault fires once per run: before acting, the faulting rank records a ``fault`` event in its events file
 (durable across the restart), and a fault already recorded there never fires again — so the replay of the
@@ -19,6 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash")
+# Save drill -> the checkpoint manager's save point it kills at (trainer.checkpointer.SAVE_POINTS).
+SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
+              "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
+              "kill_during_retention": "retention"}
+FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_KILLS)
 
 _ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?$")
 
@@ -41,18 +52,19 @@ class Fault:
 
 
 def parse_schedule(text: str) -> list[Fault]:
-    from trainer.config import FAULT_TYPES, ConfigError
-
+    """The schedule's faults; ValueError naming the bad item."""
     faults = []
     for raw in (item.strip() for item in text.split(",")):
         if not raw:
             continue
         match = _ITEM.match(raw)
         if not match:
-            raise ConfigError(f"faults.schedule: {raw!r} must look like TYPE@STEP, TYPE@t=SECONDS, "
-                              "optionally followed by :rank=R (e.g. sigkill@120:rank=1)")
+            raise ValueError(f"{raw!r} must look like TYPE@STEP, TYPE@t=SECONDS, optionally followed by :rank=R "
+                             "(e.g. sigkill@120:rank=1)")
         if match["type"] not in FAULT_TYPES:
-            raise ConfigError(f"faults.schedule: {match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
+            raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
+        if match["type"] in SAVE_KILLS and match["seconds"]:
+            raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
         faults.append(Fault(match["type"], int(match["step"]) if match["step"] else None,
                             float(match["seconds"]) if match["seconds"] else None, int(match["rank"] or 0)))
     return faults
@@ -74,17 +86,15 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], rank: int, events, fired_keys: set[str], run_started_at: float,
                  slow_seconds: float):
-        self.pending = [f for f in faults if f.rank == rank and f.key not in fired_keys]
+        mine = [f for f in faults if f.rank == rank and f.key not in fired_keys]
+        self.pending = [f for f in mine if f.type not in SAVE_KILLS]
+        self.save_kills = [f for f in mine if f.type in SAVE_KILLS]
         self.rank = rank
         self.events = events
         self.run_started_at = run_started_at
         self.slow_seconds = slow_seconds
-        if self.pending:
-            log.warning("fault injection armed on rank %d: %s", rank, ", ".join(f.key for f in self.pending))
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.pending)
+        if mine:
+            log.warning("fault injection armed on rank %d: %s", rank, ", ".join(f.key for f in mine))
 
     def maybe_inject(self, step: int) -> None:
         if not self.pending:
@@ -95,6 +105,18 @@ class FaultInjector:
         for fault in due:
             self.pending.remove(fault)
             self._fire(fault, step)
+
+    def at_save_point(self, point: str, step: int) -> None:
+        """SIGKILL this process if a save drill is due at this sub-step of step's save (called from the
+        checkpoint manager, possibly on its commit thread: the kill takes the whole process)."""
+        for fault in self.save_kills:
+            if SAVE_KILLS[fault.type] == point and step >= fault.step:
+                self.save_kills.remove(fault)
+                self.events.write("fault", fault_type=fault.type, key=fault.key, step=step, pid=os.getpid(),
+                                  save_point=point)
+                log.warning("injecting fault %s: SIGKILL at %s of the step-%d save on rank %d", fault.key, point,
+                            step, self.rank)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _fire(self, fault: Fault, step: int) -> None:
         self.events.write("fault", fault_type=fault.type, key=fault.key, step=step, pid=os.getpid())

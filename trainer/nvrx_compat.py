@@ -67,11 +67,8 @@ def async_request(writer, plan_result: tuple, on_finalized: Callable[[], None]):
 # -- fault tolerance (ft_launcher) -----------------------------------------------------------------
 
 
-def ft_launcher_command() -> list[str]:
-    """The ft_launcher entry point, run with this interpreter (same module path in 0.4.1 and >= 0.6)."""
-    import sys
-
-    return [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"]
+# ft_launcher's entry module: the same path in 0.4.1 and >= 0.6.
+FT_LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
 
 
 def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float, max_restarts: int) -> list[str]:

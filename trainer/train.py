@@ -34,6 +34,7 @@ from trainer.checkpointer import CheckpointManager
 from trainer.config import Config, ConfigError, load_config
 from trainer.data import TokenBatches, load_meta
 from trainer.events import EventLog
+from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
 from trainer.resilience import Resilience
 from trainer.telemetry import Telemetry
 
@@ -63,6 +64,8 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.last_loss = float("nan")
         self.init_distributed()
+        self._own_lease: RunLease | None = None
+        self.fence = self.join_lease()
         torch.manual_seed(cfg.run.seed)
 
         meta = load_meta(self.data_dir)
@@ -79,18 +82,19 @@ class Trainer:
                                            weight_decay=cfg.training.weight_decay, betas=(0.9, 0.95))
         self.batches = TokenBatches.open(self.data_dir, "train", cfg.training.seq_len, cfg.training.batch_size,
                                          cfg.run.seed)
-        self.events = EventLog(cfg.run_dir, self.rank)
+        self.events = EventLog(cfg.run_dir, self.rank, fence=self.fence)
+        self.telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, self.rank)
+        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, self.device, in_process=in_process,
+                                     telemetry=self.telemetry)
+        self.resilience.start()
         self.checkpointer = CheckpointManager(
             cfg.checkpoint_dir, cfg.checkpoint, rank=self.rank, device=self.device, events=self.events,
             # Checkpoints describe themselves: resume, validation and export need nothing else.
             metadata={"world_size": self.world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
                       "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
                       "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
+            save_point=self.resilience.injector.at_save_point, fence=self.fence,
         )
-        self.telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, self.rank)
-        self.resilience = Resilience(cfg, self.rank, self.world_size, self.events, self.device, in_process=in_process,
-                                     telemetry=self.telemetry)
-        self.resilience.start()
         self.metrics_path = cfg.run_dir / "metrics.jsonl"
 
     # -- set-up ------------------------------------------------------------------------------------
@@ -124,6 +128,30 @@ class Trainer:
         # One voice for progress; warnings and errors still come from every rank.
         logging.basicConfig(level=logging.INFO if self.rank == 0 else logging.WARNING, force=True,
                             format=f"%(asctime)s [rank {self.rank}] %(levelname)s %(name)s: %(message)s")
+
+    def join_lease(self) -> Fence:
+        """This launch's generation of the run folder's lease (fencing: an older launch's trainers stop).
+
+        Under the pipeline's launcher the generation comes from the environment; started by hand (torchrun,
+        python -m trainer), rank 0 takes the lease itself for the life of this process.
+        """
+        if GENERATION_ENV in os.environ:
+            generation, busy = int(os.environ[GENERATION_ENV]), None
+        else:
+            choice: list = [None, None]
+            if self.rank == 0:
+                try:
+                    self._own_lease = RunLease(self.cfg.run_dir).acquire()
+                    choice[0] = self._own_lease.new_generation()
+                except RunFolderBusy as err:
+                    choice[1] = str(err)
+            dist.broadcast_object_list(choice, src=0)
+            generation, busy = choice
+        if busy is not None:
+            raise RunFolderBusy(busy)
+        fence = Fence(self.cfg.run_dir, generation)
+        fence.check()
+        return fence
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -177,6 +205,9 @@ class Trainer:
         if source is not None:
             self.load_state_dict(state)
             log.info("resuming at step %d (state from %s)", self.step, source)
+        if self.rank == 0:  # every launch says where it started from (step 0: nothing to resume)
+            self.events.write("resume", step=self.step, source=source or "none",
+                              path=str(path) if source == "disk" else None)
         self.resilience.note_resume(self.step if source else None, load_started, time.perf_counter() - started,
                                     source or "none")
 
@@ -218,7 +249,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         self.maybe_resume()
         started_at_step, started = self.step, time.perf_counter()
-        with _MetricsWriter(self.metrics_path if self.rank == 0 else None) as writer:
+        with _MetricsWriter(self.metrics_path if self.rank == 0 else None, self.fence) as writer:
             while self.should_continue_training():
                 metrics = self.train_step()
                 writer.write(metrics)
@@ -248,6 +279,8 @@ class Trainer:
         """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped."""
         self.resilience.close()
         self.checkpointer.close(wait=wait_for_checkpoint)
+        if self._own_lease is not None:
+            self._own_lease.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -255,8 +288,9 @@ class Trainer:
 class _MetricsWriter:
     """Appends one JSON line per step (rank 0 only); the file survives restarts and is appended to."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, fence: Fence):
         self.path = path
+        self.fence = fence
         self.handle = None
 
     def __enter__(self) -> "_MetricsWriter":
@@ -267,6 +301,7 @@ class _MetricsWriter:
 
     def write(self, record: dict[str, float]) -> None:
         if self.handle is not None:
+            self.fence.check()  # a superseded trainer appends nothing
             self.handle.write(json.dumps({**record, "time": time.time()}) + "\n")
             self.handle.flush()
 

@@ -25,7 +25,7 @@ def _training_config(work_dir: Path, run_id: str, *extra: str):
     return load_config("local", [f"--run.work_dir={work_dir}", f"--run.run_id={run_id}", *FAST_TRAINING, *extra])
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def training_config():
     """training_config(work_dir, run_id, *overrides) -> Config for a fast 2-rank CPU run."""
     return _training_config

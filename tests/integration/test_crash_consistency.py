@@ -1,67 +1,113 @@
-"""kill -9 at random points while asynchronous checkpoints are being written, then resume."""
+"""A crash anywhere in a save costs no more than that save: kill -9 during async saves, and a SIGKILL at each
+sub-step of the commit protocol, each followed by a resume with bit-identical losses."""
 
 import os
 import random
 import signal
 import subprocess
-import sys
 import time
+import uuid
 
 import pytest
 
-from components.train import read_metrics, run_local_training, launch_command
-from trainer.checkpoint import committed_checkpoints, latest_valid_checkpoint, verify_checkpoint
+from components.train import JOB_TOKEN_ENV, job_processes, launch_command, read_metrics, run_local_training
+from trainer.checkpoint import committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name, verify_checkpoint
+from trainer.events import read_events
 
 pytestmark = pytest.mark.integration
 
 STEPS = ["--training.num_steps=16", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=3"]
 
 
-def _start(cfg, token_dir):
+def start(cfg, token_dir):
+    """The launcher as a user starts it by hand (no pipeline: rank 0 takes the run folder's lease itself)."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     config_path = cfg.run_dir / "config.yaml"
     config_path.write_text(cfg.to_yaml())
+    token = uuid.uuid4().hex
     log = (cfg.run_dir / "train.log").open("a")
-    # A new session: killpg reaches torchrun, both ranks and their checkpoint daemon processes at once.
-    return subprocess.Popen(launch_command(cfg, config_path, token_dir), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(launch_command(cfg, config_path, token_dir), stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, JOB_TOKEN_ENV: token}, start_new_session=True)
+    return proc, token
 
 
-def _kill_during_a_save(proc, checkpoint_dir, rng, timeout=120.0):
-    """Wait until a save is in flight (a step-N.tmp folder exists), let it run a random while, SIGKILL all."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if checkpoint_dir.is_dir() and any(p.name.endswith(".tmp") for p in checkpoint_dir.iterdir()):
-            time.sleep(rng.uniform(0.0, 0.4))
-            break
-        time.sleep(0.01)
+def kill_everything(proc, token):
+    """kill -9 of the launcher and of every process of the launch, wherever it sits; returns once all are gone."""
+    import psutil
+
+    survivors = job_processes(token)
+    for survivor in survivors:
+        survivor.kill()
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
     proc.wait()
+    _, alive = psutil.wait_procs(survivors, timeout=30)
+    assert not alive, f"processes survived kill -9: {alive}"
 
 
-def test_sigkill_during_async_saves_always_resumes_from_the_newest_valid_checkpoint(
-        tmp_path, token_dir, training_config):
+def tmp_folders(checkpoint_dir):
+    if not checkpoint_dir.is_dir():
+        return set()
+    return {(p.name, p.stat().st_ino) for p in checkpoint_dir.iterdir() if p.name.endswith(".tmp")}
+
+
+def kill_during_a_save(cfg, token_dir, rng, timeout=120.0):
+    """Start, wait for the second save this launch begins (a new step-N.tmp after a first one: so every launch
+    commits progress before it dies), kill -9 a random while later.
+
+    Returns (N, landed): landed is False when step N committed before the kill arrived (not a mid-save kill).
+    """
+    leftovers = tmp_folders(cfg.checkpoint_dir)
+    proc, token = start(cfg, token_dir)
+    deadline = time.monotonic() + timeout
+    seen: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None and len(seen) < 2:
+        for name, _ in tmp_folders(cfg.checkpoint_dir) - leftovers:
+            step = int(name[len("step-"):-len(".tmp")])
+            if step not in seen:
+                seen.append(step)
+        time.sleep(0.01)
+    assert len(seen) >= 2, f"no second save started within {timeout} s; see {cfg.run_dir / 'train.log'}"
+    step = max(seen)
+    time.sleep(rng.uniform(0.0, 0.4))
+    kill_everything(proc, token)
+    return step, not (cfg.checkpoint_dir / step_dir_name(step)).exists()
+
+
+def losses(cfg):
+    return {r["step"]: r["loss"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+
+
+def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(tmp_path, token_dir, training_config):
     reference_cfg = training_config(tmp_path / "reference", "reference", *STEPS)
     run_local_training(reference_cfg, token_dir)
-    reference = {r["step"]: r["loss"] for r in read_metrics(reference_cfg.run_dir / "metrics.jsonl")}
 
     cfg = training_config(tmp_path / "crashy", "crashy", *STEPS, "--checkpoint.mode=async")
-    rng = random.Random(20261129)
-    resumed_from = []
-    for _ in range(3):
-        _kill_during_a_save(_start(cfg, token_dir), cfg.checkpoint_dir, rng)
+    rng = random.Random(20261130)
+    killed_steps = []
+    for _ in range(8):
+        step, landed = kill_during_a_save(cfg, token_dir, rng)
+        if landed:
+            killed_steps.append(step)
         # The commit protocol's promise: every folder named step-N verifies; only *.tmp may be partial.
-        for step, folder in committed_checkpoints(cfg.checkpoint_dir):
+        for _, folder in committed_checkpoints(cfg.checkpoint_dir):
             assert verify_checkpoint(folder).ok, f"committed checkpoint {folder} does not verify"
-        latest = latest_valid_checkpoint(cfg.checkpoint_dir)
-        resumed_from.append(latest.manifest["step"] if latest else 0)
-    assert resumed_from == sorted(resumed_from), "a restart went back past a committed checkpoint"
+        if len(killed_steps) == 3:
+            break
+    assert len(killed_steps) == 3, "fewer than 3 kills landed while a save was in flight"
 
     result = run_local_training(cfg, token_dir)
     assert result["steps"] == 16
-    replayed = {r["step"]: r["loss"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
-    assert replayed == reference  # every step, including those replayed after each kill, bit-identical
+    assert losses(cfg) == losses(reference_cfg)  # every step, replays included, bit-identical
+
+    resumes = [event["step"] for event in read_events(cfg.run_dir, "resume")]
+    assert resumes == sorted(resumes), "a restart went back past a committed checkpoint"
+    assert any(step > 0 for step in resumes), "no launch resumed from a checkpoint"
+    # The launch after each mid-save kill never took the killed save: its step was not committed, and its
+    # step-N.tmp was removed before anything was read.
+    launches_after_kills = resumes[1:]
+    assert all(resume < killed for resume, killed in zip(launches_after_kills, killed_steps)), (resumes, killed_steps)
+    assert stale_folders(cfg.checkpoint_dir) == []
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_with_a_log_line(trained_run, tmp_path, token_dir, training_config):
@@ -81,3 +127,51 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_log_line(trained_run, tmp
     assert "resumed from" in log and "step-000004" in log
     assert result["steps_this_launch"] == 4
     assert verify_checkpoint(resumed.checkpoint_dir / "step-000008").ok  # replayed and committed anew
+
+
+# A SIGKILL at each sub-step of a save (trainer.checkpointer.SAVE_POINTS), one drill per save, in one run.
+DRILLS = {"kill_during_shard_write@4:rank=0": "shard_write", "kill_before_manifest@8:rank=0": "before_manifest",
+          "kill_before_rename@12:rank=0": "before_rename", "kill_before_parent_fsync@14:rank=0": "before_parent_fsync",
+          "kill_during_retention@18:rank=0": "retention"}
+COMMITTED_BEFORE_THE_KILL = {"before_parent_fsync", "retention"}  # the rename had happened: step N is committed
+
+
+@pytest.fixture(scope="module")
+def drilled(tmp_path_factory, token_dir, training_config):
+    _training_config = training_config
+    steps = ["--training.num_steps=20", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=1"]
+    work = tmp_path_factory.mktemp("drills")
+    clean = _training_config(work / "clean", "clean", *steps)
+    run_local_training(clean, token_dir)
+    faulty = _training_config(work / "faulty", "faulty", *steps, f"--faults.schedule={', '.join(DRILLS)}",
+                              "--resilience.max_restarts=6", "--resilience.job_restarts=0")
+    result = run_local_training(faulty, token_dir)
+    return clean, faulty, result
+
+
+@pytest.mark.parametrize("key", list(DRILLS))
+def test_a_kill_at_each_sub_step_of_a_save_resumes_from_the_newest_committed_checkpoint(drilled, key):
+    _, cfg, _ = drilled
+    [fault] = [f for f in read_events(cfg.run_dir, "fault") if f["key"] == key]
+    assert fault["save_point"] == DRILLS[key]
+    [recovery] = [r for r in read_events(cfg.run_dir, "recovery") if r["fault_key"] == key]
+    assert recovery["mechanism"] == "ft_launcher" and recovery["reload_source"] == "disk"
+    if DRILLS[key] in COMMITTED_BEFORE_THE_KILL:
+        assert recovery["reloaded_step"] == fault["step"]
+    else:  # the killed save never counts: the newest checkpoint committed before it does
+        committed = [e["step"] for e in read_events(cfg.run_dir, "checkpoint_committed") if e["time"] < fault["time"]]
+        assert recovery["reloaded_step"] == max(committed) < fault["step"]
+
+
+def test_after_every_drill_the_losses_are_bit_identical_and_nothing_stale_is_left(drilled):
+    clean, faulty, result = drilled
+    assert result["steps"] == 20
+    assert losses(faulty) == losses(clean)
+    assert [step for step, _ in committed_checkpoints(faulty.checkpoint_dir)] == [20]  # keep_last=1
+    assert latest_valid_checkpoint(faulty.checkpoint_dir).manifest["step"] == 20
+    assert stale_folders(faulty.checkpoint_dir) == []
+    log = (faulty.run_dir / "train.log").read_text()
+    # What the drills left was cleared at the next start: a manifest-complete but unrenamed folder, and a
+    # half-deleted one — neither ever read.
+    assert "step-000012.tmp (left by an interrupted save or deletion)" in log
+    assert "step-000016.deleting (left by an interrupted save or deletion)" in log

@@ -65,3 +65,83 @@ def test_manifest_is_json_with_sizes(tmp_path):
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["files"]["__0_0.distcp"]["bytes"] == 1000
     assert "torch" in manifest["libraries"]
+
+
+def _manager(directory, keep_last):
+    import torch
+
+    from trainer.checkpointer import CheckpointManager
+    from trainer.config import CheckpointConfig
+    from trainer.events import EventLog
+
+    return CheckpointManager(directory, CheckpointConfig(mode="sync", keep_last=keep_last), rank=0,
+                             device=torch.device("cpu"), metadata={}, events=EventLog(directory.parent, 0))
+
+
+def _corrupt(folder):
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_retention_never_deletes_the_newest_valid_checkpoint_and_counts_only_valid_ones(tmp_path):
+    """{4 valid, 6 just committed, 8 corrupt}, keep_last=1: by name 8 would be kept and 6 deleted."""
+    directory = tmp_path / "checkpoints"
+    for step in (4, 6, 8):
+        _fake_checkpoint(directory, step)
+    _corrupt(directory / step_dir_name(8))
+    manager = _manager(directory, keep_last=1)
+    manager._apply_retention(6)
+    left = [step for step, _ in committed_checkpoints(directory)]
+    assert left == [6, 8]  # 6 kept (the newest valid); 4 beyond keep_last; 8 broken, waits to be replaced
+    assert latest_valid_checkpoint(directory).manifest["step"] == 6
+
+
+def test_retention_deletes_broken_checkpoints_older_than_the_newest_valid_one(tmp_path):
+    directory = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        _fake_checkpoint(directory, step)
+    _corrupt(directory / step_dir_name(4))
+    (directory / step_dir_name(6) / MANIFEST).unlink()  # never committed properly
+    manager = _manager(directory, keep_last=2)
+    manager._apply_retention(8)
+    assert [step for step, _ in committed_checkpoints(directory)] == [2, 8]  # the two valid ones
+    assert not list(directory.glob("*.deleting"))
+
+
+def test_what_a_crash_left_behind_is_removed_at_start_up(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _fake_checkpoint(directory, 2)
+    for name in ("step-000004.tmp", "step-000002.deleting", "step-000006.replaced-1764460800"):
+        (directory / name).mkdir(parents=True)
+        (directory / name / "__0_0.distcp").write_bytes(b"partial")
+    _manager(directory, keep_last=2)
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000002"]
+
+
+def test_save_drills_parse_and_fire_once_at_their_point(tmp_path):
+    import os
+
+    from trainer.events import EventLog
+    from trainer.faults import FaultInjector, parse_schedule
+
+    faults = parse_schedule("kill_before_rename@6, kill_during_retention@8:rank=1")
+    with pytest.raises(ValueError, match="takes TYPE@STEP"):
+        parse_schedule("kill_before_rename@t=5s")
+    killed = []
+    injector = FaultInjector(faults, 0, EventLog(tmp_path, 0), set(), run_started_at=0.0, slow_seconds=0)
+    import trainer.faults as module
+
+    real_kill = os.kill
+    module.os.kill = lambda pid, sig: killed.append((pid, sig))
+    try:
+        injector.maybe_inject(10)  # loop faults only: the drill waits for its save point
+        injector.at_save_point("before_manifest", 6)
+        injector.at_save_point("before_rename", 4)
+        assert killed == []
+        injector.at_save_point("before_rename", 6)
+        injector.at_save_point("before_rename", 8)  # fired once
+    finally:
+        module.os.kill = real_kill
+    assert len(killed) == 1 and killed[0][0] == os.getpid()
