@@ -8,12 +8,19 @@ evaluated again on the candidate's held-out windows (the same data, the same cod
 never compares two numbers measured on different data. A promoted candidate is exported in Hugging Face
 format (config.json, safetensors, tokenizer), logged as the evaluate step's ``model`` artifact, registered
 as a new version and given the alias; the previous champion stays as an older version.
+
+Concurrent runs: the registry has no compare-and-set on aliases, but it numbers versions atomically. So a
+candidate that beats the champion it first saw registers itself (tag ``promotion=pending``) and is decided
+only after every earlier pending version has been, against the champion *at that moment* (re-evaluated if
+it moved). Decisions are thereby serialised in version order: two runs can never both take the alias on
+the strength of the same old champion. A loser tags its version ``lost``, deletes it, and says so.
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,6 +28,7 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 CHAMPION = "champion"
+PROMOTION_TAG = "promotion"  # pending -> champion | lost | abandoned
 
 
 @dataclass
@@ -73,24 +81,29 @@ def load_registered_model(version, tracking_uri: str):
     with tempfile.TemporaryDirectory(prefix="champion-") as target:
         local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=target,
                                                     tracking_uri=tracking_uri)
-        model = LlamaForCausalLM.from_pretrained(local)
+        # safetensors only: a pickled weights file in the registry would run code on load.
+        model = LlamaForCausalLM.from_pretrained(local, use_safetensors=True)
     model.eval()
     return model
 
 
 def promote_if_better(client, *, tracking_uri: str, model_name: str, threshold: float, candidate_loss: float, run_id: str,
                       export: Callable[[Path], Path], evaluate_champion: Callable[[Any], float],
-                      tags: dict[str, str]) -> GateDecision:
-    """Compare with the champion and, if better, export, log, register and alias the candidate."""
+                      tags: dict[str, str], wait_seconds: float = 1800.0, poll_seconds: float = 2.0,
+                      sleep: Callable[[float], None] = time.sleep,
+                      clock: Callable[[], float] = time.monotonic) -> GateDecision:
+    """Compare with the champion and, if better, export, log, register and alias the candidate (serialised
+    with concurrent candidates; see the module docstring)."""
     current = champion_version(client, model_name)
     champion_loss = None
     if current is not None:
         champion_loss = evaluate_champion(load_registered_model(current, tracking_uri))
     decision = decide(candidate_loss, champion_loss, threshold, current.version if current else None)
-    log.info("promotion gate for %s: %s — %s", model_name, "PROMOTE" if decision.promote else "keep champion",
+    log.info("promotion gate for %s: %s — %s", model_name, "candidate" if decision.promote else "keep champion",
              decision.reason)
     if not decision.promote:
         return decision
+
     with tempfile.TemporaryDirectory(prefix="hf-export-") as scratch:
         folder = export(Path(scratch) / "model")
         client.log_artifacts(run_id, str(folder), "model")
@@ -103,9 +116,45 @@ def promote_if_better(client, *, tracking_uri: str, model_name: str, threshold: 
             raise
     artifact_uri = client.get_run(run_id).info.artifact_uri
     version = client.create_model_version(model_name, source=f"{artifact_uri}/model", run_id=run_id,
-                                          tags={**tags, "heldout_loss": f"{candidate_loss:.6f}"},
+                                          tags={**tags, "heldout_loss": f"{candidate_loss:.6f}",
+                                                PROMOTION_TAG: "pending"},
                                           description=decision.reason)
-    client.set_registered_model_alias(model_name, CHAMPION, version.version)
-    decision.new_version = version.version
-    log.info("registered %s version %s as %s", model_name, version.version, CHAMPION)
+    _wait_for_earlier_candidates(client, model_name, int(version.version), wait_seconds, poll_seconds, sleep, clock)
+
+    latest = champion_version(client, model_name)
+    if (latest.version if latest else None) != (current.version if current else None):
+        log.info("the champion moved to v%s while this candidate was registered: comparing again", latest.version)
+        decision = decide(candidate_loss, evaluate_champion(load_registered_model(latest, tracking_uri)), threshold,
+                          latest.version)
+    if decision.promote:
+        client.set_registered_model_alias(model_name, CHAMPION, version.version)  # before the tag: see the wait
+        client.set_model_version_tag(model_name, version.version, PROMOTION_TAG, "champion")
+        decision.new_version = version.version
+        log.info("registered %s version %s as %s", model_name, version.version, CHAMPION)
+        return decision
+    client.set_model_version_tag(model_name, version.version, PROMOTION_TAG, "lost")
+    client.delete_model_version(model_name, version.version)
+    decision.reason = (f"lost to a concurrent promotion: {decision.reason} (candidate v{version.version} "
+                       "registered, then deleted)")
+    log.info("promotion gate for %s: %s", model_name, decision.reason)
     return decision
+
+
+def _wait_for_earlier_candidates(client, model_name: str, version: int, wait_seconds: float, poll_seconds: float,
+                                 sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+    """Until no version older than ours is pending; one pending longer than wait_seconds (its run died
+    mid-gate) is tagged abandoned and no longer waited for."""
+    deadline = clock() + wait_seconds
+    while True:
+        earlier = [v for v in client.search_model_versions(f"name = '{model_name}'")
+                   if int(v.version) < version and v.tags.get(PROMOTION_TAG) == "pending"]
+        if not earlier:
+            return
+        if clock() >= deadline:
+            for stale in earlier:
+                log.warning("candidate %s v%s has been pending for over %.0f s: treating it as abandoned",
+                            model_name, stale.version, wait_seconds)
+                client.set_model_version_tag(model_name, stale.version, PROMOTION_TAG, "abandoned")
+            return
+        log.info("waiting for earlier candidate(s) %s of %s to be decided", [v.version for v in earlier], model_name)
+        sleep(poll_seconds)

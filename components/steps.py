@@ -256,15 +256,17 @@ def _promotion_gate(cfg: Config, mlflow: tracking.Tracker, run: str, checkpoint:
 
     run_id = mlflow.run_id(run)
     if run_id is None:
-        return GateDecision(False, f"deferred: MLflow at {cfg.tracking_uri} is unreachable, so the champion "
-                                   "cannot be read; re-evaluate later", result["heldout_loss"],
+        why = (f"MLflow at {cfg.tracking_uri} is unreachable, so the champion cannot be read" if mlflow.pending()
+               else f"MLflow refused this run's records (see {mlflow.rejected_path})")
+        return GateDecision(False, f"deferred: {why}; re-evaluate later", result["heldout_loss"],
                             threshold=cfg.eval.promotion_threshold).as_dict()
     try:
         decision = promote_if_better(
             MlflowClient(cfg.tracking_uri), tracking_uri=cfg.tracking_uri, model_name=cfg.eval.registered_model_name,
             threshold=cfg.eval.promotion_threshold, candidate_loss=result["heldout_loss"], run_id=run_id,
             export=lambda out: export_hf(Path(checkpoint), out, overwrite=True), evaluate_champion=evaluate_champion,
-            tags={"pipeline_run_id": cfg.run.run_id, "checkpoint": checkpoint, "step": str(result["step"])})
+            tags={"pipeline_run_id": cfg.run.run_id, "checkpoint": checkpoint, "step": str(result["step"])},
+            wait_seconds=cfg.eval.promotion_wait_seconds)
     except Exception as err:  # noqa: BLE001 - only outages are deferred; everything else fails the step
         if not tracking.is_outage(err):
             raise
@@ -299,6 +301,7 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "mlflow_experiment": cfg.run.experiment,
         "mlflow_parent_run_id": mlflow.run_id(),
         "mlflow_pending_records": mlflow.pending(),
+        "mlflow_rejected_records": mlflow.rejected(),
         "run_dir": str(cfg.run_dir),
         "checkpoint_dir": str(cfg.checkpoint_dir),
         "checkpoint": (steps["validate"] or {}).get("checkpoint") or train.get("checkpoint"),
@@ -328,5 +331,6 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         mlflow.end_run(tracking.PARENT, "FINISHED" if succeeded else "FAILED")
     summary["mlflow_parent_run_id"] = mlflow.run_id()
     summary["mlflow_pending_records"] = mlflow.pending()
+    summary["mlflow_rejected_records"] = mlflow.rejected()
     _write_json(path, summary)
     return summary

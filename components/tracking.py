@@ -14,6 +14,12 @@ delivered twice (a crash between the server's commit and our bookmark) leaves no
 
 The parent run is found by its ``pipeline_run_id`` tag, so any step (and the exit handler) attaches to it
 without passing MLflow ids around.
+
+Refused is not delivered: a record the server answers with a 4xx (a changed param value, a deleted
+experiment or run) goes to ``rejected.jsonl`` with the server's message, and so does every later record of a
+run whose creation was refused. ``rejected()`` counts them (summary.json's ``mlflow_rejected_records``,
+``mlflow-sync`` exits non-zero while any remain), and ``retry_rejected()`` delivers them in order once the
+cause is fixed.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ class Tracker:
         self.spool = Path(run_dir) / SPOOL_DIR
         self.journal = self.spool / "journal.jsonl"
         self.state_path = self.spool / "delivered.json"
-        self.rejected = self.spool / "rejected.jsonl"
+        self.rejected_path = self.spool / "rejected.jsonl"
         self._client = None
         self._warned = False
 
@@ -114,7 +120,12 @@ class Tracker:
         return self._state()["runs"].get(run)
 
     def pending(self) -> int:
+        """Records not yet delivered because the server was unreachable."""
         return max(0, self._journal_length() - self._state()["delivered"])
+
+    def rejected(self) -> int:
+        """Records the server refused (or that depend on one it refused): not in MLflow."""
+        return len(read_jsonl(self.rejected_path))
 
     # -- spool ---------------------------------------------------------------------------------------
 
@@ -164,18 +175,13 @@ class Tracker:
                 self._check_reachable()
                 for index in range(state["delivered"], len(lines)):
                     op = json.loads(lines[index])
-                    try:
-                        self._deliver(op, state)
-                    except TrackingUnavailable:
-                        raise
-                    except Exception as err:  # noqa: BLE001 - sorted below: outage or bad record
-                        if is_outage(err):
-                            raise TrackingUnavailable(str(err)) from err
-                        # The server answered and refused this record: keep it aside, don't block the rest.
-                        log.error("MLflow refused a %s record for run %s: %s (kept in %s)", op["op"], op["run"],
-                                  err, self.rejected)
-                        with self.rejected.open("a") as handle:
-                            handle.write(json.dumps({**op, "error": str(err)}) + "\n")
+                    refusal = self._try_deliver(op, state)
+                    if refusal is not None:  # the server answered and refused: set aside, the rest goes on
+                        log.error("MLflow refused a %s record for run %s: %s (kept in %s; fix the cause, then "
+                                  "`python -m pipelines mlflow-sync %s --retry-rejected`)", op["op"], op["run"],
+                                  refusal, self.rejected_path, self.spool.parent)
+                        with self.rejected_path.open("a") as handle:
+                            handle.write(json.dumps({**op, "error": refusal}) + "\n")
                     state["delivered"] = index + 1
                     self._save_state(state)
             except TrackingUnavailable as err:
@@ -191,7 +197,58 @@ class Tracker:
                 self._warned = False
             return True
 
+    def retry_rejected(self) -> int:
+        """Deliver the refused records again, in order; returns how many are still refused. Raises
+        TrackingUnavailable when the server cannot be reached (nothing is lost)."""
+        with self._locked():
+            state = self._state()
+            records = read_jsonl(self.rejected_path)
+            self._check_reachable()
+            still = []
+            for index, op in enumerate(records):
+                op = {k: v for k, v in op.items() if k != "error"}
+                try:
+                    refusal = self._try_deliver(op, state)
+                except TrackingUnavailable:
+                    still.extend(records[index:])
+                    self._rewrite_rejected(still)
+                    self._save_state(state)
+                    raise
+                if refusal is not None:
+                    still.append({**op, "error": refusal})
+            self._save_state(state)
+            self._rewrite_rejected(still)
+            return len(still)
+
+    def _rewrite_rejected(self, records: list[dict[str, Any]]) -> None:
+        tmp = self.rejected_path.with_name(self.rejected_path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp.replace(self.rejected_path)
+
     # -- delivery ------------------------------------------------------------------------------------
+
+    def _try_deliver(self, op: dict[str, Any], state: dict[str, Any]) -> str | None:
+        """Deliver one record: None when delivered, the reason when refused; TrackingUnavailable when the
+        server cannot be reached."""
+        blocker = self._blocked_by(op, state)
+        if blocker is not None:
+            return f"not tried: {blocker}'s start_run was refused earlier (retried with it by --retry-rejected)"
+        try:
+            self._deliver(op, state)
+        except Exception as err:  # noqa: BLE001 - sorted here: outage or refusal
+            if is_outage(err):
+                raise TrackingUnavailable(str(err)) from err
+            return str(err)
+        return None
+
+    @staticmethod
+    def _blocked_by(op: dict[str, Any], state: dict[str, Any]) -> str | None:
+        """The run this record needs that does not exist in MLflow (its creation was refused), if any."""
+        if op["op"] != "start_run":
+            return None if op["run"] in state["runs"] else f"run {op['run']!r}"
+        if op["run"] != PARENT and PARENT not in state["runs"]:
+            return "the pipeline's parent run"
+        return None
 
     def _mlflow(self):
         if self._client is None:
@@ -211,11 +268,19 @@ class Tracker:
             raise TrackingUnavailable(str(err)) from err
 
     def _experiment_id(self) -> str:
+        """Get or create, safe when several runs start at once: losing the race to create is not an error."""
+        from mlflow.exceptions import MlflowException
+
         client = self._mlflow()
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is not None:
             return experiment.experiment_id
-        return client.create_experiment(self.experiment, artifact_location=self.artifact_location or None)
+        try:
+            return client.create_experiment(self.experiment, artifact_location=self.artifact_location or None)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return client.get_experiment_by_name(self.experiment).experiment_id
 
     def _find_run(self, tags: dict[str, str]):
         experiment = self._mlflow().get_experiment_by_name(self.experiment)
@@ -232,8 +297,7 @@ class Tracker:
         if op["op"] == "start_run":
             state["runs"][op["run"]] = self._create_or_find_run(op, state)
             return
-        run_id = state["runs"].get(op["run"])
-        assert run_id is not None, f"spool record for {op['run']} before its start_run"
+        run_id = state["runs"][op["run"]]  # _blocked_by checked that it exists
         if op["op"] == "metrics":
             metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in op["rows"]]
             for start in range(0, len(metrics), _METRICS_PER_CALL):
@@ -261,8 +325,7 @@ class Tracker:
             name = self.pipeline_run_id
         else:
             identity = {SPOOL_KEY_TAG: op["run"]}
-            parent = state["runs"].get(PARENT)
-            assert parent is not None, "a step run spooled before the pipeline's parent run"
+            parent = state["runs"][PARENT]
             tags = {**identity, "mlflow.parentRunId": parent, PIPELINE_RUN_TAG: self.pipeline_run_id,
                     STEP_TAG: op["step"]}
             name = op["step"]
@@ -276,6 +339,12 @@ class Tracker:
         for start in range(0, len(params), _PARAMS_PER_CALL):
             client.log_batch(run_id, params=params[start : start + _PARAMS_PER_CALL])
         return run_id
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def is_outage(err: Exception) -> bool:

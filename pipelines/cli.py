@@ -141,6 +141,10 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
     if summary.get("mlflow_pending_records"):
         lines.append(f"  MLflow spool       {summary['mlflow_pending_records']} record(s) not delivered (tracking "
                      f"server unreachable): python -m pipelines mlflow-sync {summary['run_dir']}")
+    if summary.get("mlflow_rejected_records"):
+        lines.append(f"  MLflow refused     {summary['mlflow_rejected_records']} record(s) (see "
+                     f"{summary['run_dir']}/mlflow-spool/rejected.jsonl): fix the cause, then python -m pipelines "
+                     f"mlflow-sync {summary['run_dir']} --retry-rejected")
     for error in summary["errors"]:
         lines.append(f"  FAILED at {error['step']}: {error['error_type']}: {error['message']}")
     uri = summary["mlflow_tracking_uri"]
@@ -175,9 +179,13 @@ def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
-    """Deliver a run's spooled MLflow records; 0 when nothing is left, 1 while the server is still down."""
+    """Deliver a run's spooled MLflow records; 0 once everything is in MLflow, 1 while records are still
+    spooled (server down) or refused. --retry-rejected first sends the refused ones again."""
     from components.steps import tracker
+    from components.tracking import TrackingUnavailable
 
+    retry = "--retry-rejected" in overrides
+    overrides = [o for o in overrides if o != "--retry-rejected"]
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         print(f"error: {config_path} not found: pass the run folder (work/fsx/runs/RUN_ID)", file=sys.stderr)
@@ -189,11 +197,19 @@ def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
         return 2
     mlflow = tracker(cfg)
     before = mlflow.pending()
-    delivered_all = mlflow.flush()
-    left = mlflow.pending()
-    print(f"{before - left} record(s) delivered to {cfg.tracking_uri}, {left} left"
-          + ("" if delivered_all else " (tracking server unreachable: run this again later)"))
-    return 0 if delivered_all else 1
+    reachable = mlflow.flush()
+    if reachable and retry:
+        try:
+            mlflow.retry_rejected()
+        except TrackingUnavailable:
+            reachable = False
+    left, refused = mlflow.pending(), mlflow.rejected()
+    print(f"{max(0, before - left)} spooled record(s) delivered to {cfg.tracking_uri}, {left} left"
+          + ("" if reachable else " (tracking server unreachable: run this again later)"))
+    if refused:
+        print(f"{refused} record(s) refused by the tracking server, listed with its answers in "
+              f"{mlflow.rejected_path}: fix the cause, then run this again with --retry-rejected")
+    return 0 if reachable and not left and not refused else 1
 
 
 def _promotion_line(decision: dict | None) -> str:
@@ -255,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             sub.add_argument("--disable", action="store_true", help="disable the recurring run of that name")
     sync = commands.add_parser("mlflow-sync", help="deliver MLflow records spooled while the server was down")
     sync.add_argument("run_dir", type=Path, help="the run folder (holds config.yaml and mlflow-spool/)")
+    sync.add_argument("--retry-rejected", action="store_true",
+                      help="also send the records the server refused again (after fixing the cause)")
 
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -262,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --section.key=value)")
     if args.command == "mlflow-sync":
-        return mlflow_sync(args.run_dir, overrides)
+        return mlflow_sync(args.run_dir, overrides + (["--retry-rejected"] if args.retry_rejected else []))
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:

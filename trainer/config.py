@@ -439,11 +439,16 @@ class EvalConfig:
     promotion_threshold: float = 0.0
     """Relative held-out-loss improvement over the champion required to promote (0.01 = 1 % lower)."""
 
+    promotion_wait_seconds: float = 1800.0
+    """Concurrent runs: how long a candidate waits for earlier candidates to be decided before it treats one
+    as abandoned (its run died mid-gate). Covers an evaluation of the champion."""
+
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
         _require(self.max_batches >= 1, "eval.max_batches", "must be >= 1")
         _require(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
         _require(0.0 <= self.promotion_threshold < 1.0, "eval.promotion_threshold", "must be in [0, 1)")
+        _require(self.promotion_wait_seconds > 0, "eval.promotion_wait_seconds", "must be > 0")
         _require(not self.register or bool(self.registered_model_name.strip()), "eval.registered_model_name",
                  "must not be empty when eval.register is true")
 
