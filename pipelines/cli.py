@@ -155,18 +155,22 @@ def _print_summary(summary: dict, summary_path: Path) -> None:
 
 
 def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
+    """Every argument is checked before a client exists: a bad cron never waits on a network."""
     from pipelines import submit as kfp_submit
 
-    client = None
-    if not args.dry_run:
-        import kfp
-
-        # Credentials from the environment only: KF_PIPELINES_TOKEN (a bearer token) or kfp.Client's own chain.
-        client = kfp.Client(host=args.host, namespace=args.namespace,
-                            existing_token=os.environ.get("KF_PIPELINES_TOKEN") or None)
+    try:
+        if args.command == "submit":
+            kfp_submit.idempotency_key(args.idempotency_key)
+        else:
+            kfp_submit.validate_cron(args.cron)
+            kfp_submit.validate_name(args.name)
+    except kfp_submit.SubmitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     common = dict(experiment=args.experiment or cfg.run.experiment,
                   service_account=args.service_account or cfg.kubernetes.pipeline_service_account, dry_run=args.dry_run)
     try:
+        client = None if args.dry_run else kfp_submit.connect(args.host, args.namespace)
         if args.command == "submit":
             outcome = kfp_submit.submit(client, cfg, trigger=args.trigger, key=args.idempotency_key, **common)
         else:
@@ -174,6 +178,9 @@ def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
     except kfp_submit.SubmitError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except kfp_submit.KfpUnavailable as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(json.dumps(outcome, indent=2))
     return 0
 

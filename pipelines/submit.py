@@ -21,6 +21,7 @@ token, or ``kfp.Client``'s credentials chain) — never from the repository.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -37,6 +38,49 @@ _DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midni
 
 class SubmitError(ValueError):
     """A bad submission argument (cron, key, config); the message names it."""
+
+
+class KfpUnavailable(RuntimeError):
+    """The KFP API could not be reached or refused the credentials; the message says which host and what to check."""
+
+
+def validate_name(name: str) -> str:
+    if not name.strip():
+        raise SubmitError("--name must not be empty: the recurring run is found again by this name")
+    return name
+
+
+def connect(host: str | None, namespace: str | None):
+    """A kfp.Client (its constructor already calls the API's healthz), with failures as one clear line.
+
+    Credentials from the environment only: KF_PIPELINES_TOKEN (a bearer token) or kfp.Client's own chain.
+    """
+    import logging
+    import warnings
+
+    import kfp
+
+    # urllib3 logs each retry of the healthz call and kfp warns about server versions: one line says it all.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module="kfp")
+            return kfp.Client(host=host, namespace=namespace,
+                              existing_token=os.environ.get("KF_PIPELINES_TOKEN") or None)
+    except Exception as err:  # urllib3, requests, kfp_server_api and kfp all raise their own types here
+        raise KfpUnavailable(kfp_failure(err, host)) from err
+
+
+def kfp_failure(err: Exception, host: str | None) -> str:
+    """What went wrong talking to KFP, and what to check."""
+    where = host or os.environ.get("KF_PIPELINES_ENDPOINT") or "the in-cluster KFP endpoint"
+    status = getattr(err, "status", None)
+    if status in (401, 403):
+        return (f"the KFP API at {where} refused the credentials ({status}): set KF_PIPELINES_TOKEN to a valid "
+                "token, or check the ServiceAccount / Profile access of this identity")
+    reason = str(getattr(err, "reason", None) or err).splitlines()[0][:300]
+    return (f"cannot reach the KFP API at {where}: {reason}. Check --host (or KF_PIPELINES_ENDPOINT), that the "
+            "endpoint is reachable from here (kubectl port-forward, VPN, the ingress) and that it serves /apis/v2beta1")
 
 
 def validate_cron(expression: str) -> str:

@@ -174,3 +174,21 @@ def test_bad_config_exits_2_naming_the_field(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert not (tmp_path / "fsx").exists()  # nothing was started or written
+
+
+def test_a_failing_demo_upload_writes_the_summary_instead_of_a_traceback(tmp_path, monkeypatch):
+    from pipelines.local_stack import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # no S3 server there
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "local-testing")
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={tmp_path}", "--run.run_id=noupload",
+                   "--local.s3_server=false", f"--data.s3_endpoint_url={endpoint}", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "FAILED at local stack: DemoUploadError: uploading the demo corpus (local.upload_demo_data) failed" in proc.stdout
+    assert "cannot reach the S3 endpoint" in proc.stdout
+    summary_path = tmp_path / "fsx" / "runs" / "noupload" / "summary.json"
+    assert proc.stdout.strip().splitlines()[-1] == str(summary_path)
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "failed" and summary["errors"][0]["step"] == "local stack"

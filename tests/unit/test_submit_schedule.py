@@ -146,3 +146,26 @@ def test_good_cron_passes(cron):
 def test_cli_exits_2_on_a_bad_cron(capsys):
     assert main(["schedule", "--config", EKS, "--name", "n", "--cron", "0 0 2 * *", "--dry-run"]) == 2
     assert "KFP takes 6 fields" in capsys.readouterr().err
+
+
+def test_a_bad_cron_is_refused_before_any_client_exists(capsys, monkeypatch):
+    """The issue's repro: `schedule --cron "61 * * * * *" --host http://127.0.0.1:9` must not even try the host."""
+    import kfp
+
+    monkeypatch.setattr(kfp, "Client", lambda **kwargs: pytest.fail("a client was created before validation"))
+    assert main(["schedule", "--config", EKS, "--name", "nightly", "--cron", "61 * * * * *",
+                 "--host", "http://127.0.0.1:9"]) == 2
+    assert "second '61' is outside 0-59" in capsys.readouterr().err
+    assert main(["submit", "--config", EKS, "--idempotency-key=---", "--host", "http://127.0.0.1:9"]) == 2
+    assert "--idempotency-key '---': needs letters or digits" in capsys.readouterr().err
+    assert main(["schedule", "--config", EKS, "--name", " ", "--host", "http://127.0.0.1:9"]) == 2
+
+
+def test_an_unreachable_kfp_endpoint_is_one_clear_line(capsys):
+    from pipelines.local_stack import free_port
+
+    host = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["schedule", "--config", EKS, "--name", "nightly", "--cron", "0 0 2 * * *", "--host", host]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot reach the KFP API at {host}")
+    assert "Check --host" in err[0] and "Traceback" not in err[0]

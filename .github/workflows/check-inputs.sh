@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Validates what triggers hand the workflow (workflow_dispatch inputs, repository_dispatch payloads) before
+# any step uses it. Values arrive as environment variables; this script never evaluates them.
+set -euo pipefail
+
+if [ -n "${CONFIG:-}" ]; then
+  if ! [[ "$CONFIG" =~ ^pipelines/configs/[A-Za-z0-9_.-]+\.ya?ml$ ]] || [[ "$CONFIG" == *..* ]]; then
+    echo "::error::config '$CONFIG' must be a YAML file directly in pipelines/configs/" >&2
+    exit 1
+  fi
+  if [ ! -f "$CONFIG" ]; then
+    echo "::error::config '$CONFIG' does not exist in this commit" >&2
+    exit 1
+  fi
+fi
+if [ -n "${DATA_VERSION:-}" ] && ! [[ "$DATA_VERSION" =~ ^[A-Za-z0-9._-]{1,64}$ ]]; then
+  echo "::error::client_payload.data_version must be 1-64 letters, digits, '.', '_' or '-'" >&2
+  exit 1
+fi
+echo "inputs ok: config=${CONFIG:-} data_version=${DATA_VERSION:-}"
