@@ -190,13 +190,17 @@ def load_model_from_checkpoint(folder: Path, verified: Verification | None = Non
     import torch.distributed.checkpoint as dcp
     from transformers import LlamaConfig
 
-    from trainer.model import build_model
+    from trainer.model import build_model, set_special_token_ids
+    from trainer.tokenizer import load_tokenizer
 
     verified = verified or verify_checkpoint(folder)
     if not verified.ok:
         raise CheckpointError("; ".join(verified.problems))
     config = LlamaConfig.from_dict(verified.manifest["model_config"])
     model = build_model(config, seed=0)
+    # From the tokenizer the checkpoint was trained with: also right for checkpoints whose model config still
+    # carries LlamaConfig's default ids.
+    set_special_token_ids(model, load_tokenizer(verified.manifest.get("tokenizer", "byte")).special_token_ids())
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns about single-process loads even when asked for one
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -12,10 +12,11 @@ from trainer.config import MODEL_PRESETS, ModelConfig
 log = logging.getLogger(__name__)
 
 
-def llama_config(model: ModelConfig, vocab_size: int) -> LlamaConfig:
-    """The transformers config for a preset; vocab_size comes from the tokenizer unless set."""
+def llama_config(model: ModelConfig, vocab_size: int, special_token_ids: dict[str, int | None]) -> LlamaConfig:
+    """The transformers config for a preset; vocab_size comes from the tokenizer unless set, and so do the
+    BOS/EOS ids (LlamaConfig's defaults, 1 and 2, are some other tokenizer's)."""
     preset = dict(MODEL_PRESETS[model.preset])
-    return LlamaConfig(vocab_size=model.vocab_size or vocab_size, **preset)
+    return LlamaConfig(vocab_size=model.vocab_size or vocab_size, **preset, **special_token_ids)
 
 
 def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
@@ -27,10 +28,11 @@ def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     return model
 
 
-def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int) -> LlamaForCausalLM:
+def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int,
+                        special_token_ids: dict[str, int | None]) -> LlamaForCausalLM:
     """Weights from model.init_from (HF folder, local files only), else the preset with random weights."""
     if not model.init_from:
-        return build_model(llama_config(model, vocab_size), seed)
+        return build_model(llama_config(model, vocab_size, special_token_ids), seed)
     from pathlib import Path
 
     folder = Path(model.init_from)
@@ -39,8 +41,16 @@ def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int) -> Llama
     torch.manual_seed(seed)  # layers the weights file does not cover are initialised reproducibly
     loaded = LlamaForCausalLM.from_pretrained(str(folder), local_files_only=True, use_safetensors=True,
                                               attn_implementation="sdpa", dtype=torch.float32)
+    set_special_token_ids(loaded, special_token_ids)
     log.info("model: %.1f M parameters from %s", sum(p.numel() for p in loaded.parameters()) / 1e6, folder)
     return loaded
+
+
+def set_special_token_ids(model: LlamaForCausalLM, special_token_ids: dict[str, int | None]) -> None:
+    """The tokenizer's BOS/EOS ids into the model's config and generation config (they are saved with it)."""
+    model.config.update(special_token_ids)
+    for key, value in special_token_ids.items():
+        setattr(model.generation_config, key, value)
 
 
 def shard_model(model: LlamaForCausalLM, mixed_precision: bool) -> LlamaForCausalLM:

@@ -46,12 +46,29 @@ class LoadedTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def special_token_ids(self) -> dict[str, int | None]:
+        """What a model config (and generation config) must say for generation to start and stop as trained."""
+        return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id}
+
     def save(self, out_dir: Path) -> None:
-        """tokenizer.json + tokenizer_config.json + special_tokens_map.json, loadable by AutoTokenizer."""
+        """tokenizer.json + tokenizer_config.json + special_tokens_map.json, loadable by AutoTokenizer alone.
+
+        The saved tokenizer adds BOS in front of a text, as every training document began: tokenizer(prompt)
+        then gives the ids the model saw. (Training frames documents itself, with add_special_tokens=False.)
+        """
+        import copy
+
+        from tokenizers import processors
         from transformers import PreTrainedTokenizerFast
 
-        PreTrainedTokenizerFast(tokenizer_object=self.tokenizer, bos_token=self.bos_token,
-                                eos_token=self.eos_token).save_pretrained(str(out_dir))
+        tokenizer = copy.deepcopy(self.tokenizer)
+        if self.bos_token is not None:
+            bos = (self.bos_token, self.bos_id)
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A {self.bos_token} $B", special_tokens=[bos])
+        # No clean-up of spaces before punctuation: decode must give back the bytes the model produced.
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=self.bos_token, eos_token=self.eos_token,
+                                clean_up_tokenization_spaces=False).save_pretrained(str(out_dir))
 
 
 def _byte_tokenizer() -> LoadedTokenizer:

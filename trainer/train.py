@@ -41,6 +41,7 @@ from trainer.telemetry import Telemetry
 if TYPE_CHECKING:
     from trainer.in_process import InProcessAttempt
 from trainer.model import load_or_build_model, shard_model
+from trainer.tokenizer import load_tokenizer
 
 log = logging.getLogger("trainer")
 
@@ -69,7 +70,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
 
         meta = load_meta(self.data_dir)
-        model = load_or_build_model(cfg.model, vocab_size=meta["vocab_size"], seed=cfg.run.seed)
+        model = load_or_build_model(cfg.model, vocab_size=meta["vocab_size"], seed=cfg.run.seed,
+                                    special_token_ids=load_tokenizer(meta["tokenizer"]).special_token_ids())
         if model.config.vocab_size < meta["vocab_size"]:
             raise ValueError(f"model vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                              f"({meta['vocab_size']}, {self.data_dir}): fix model.vocab_size or data.tokenizer")

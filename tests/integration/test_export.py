@@ -34,7 +34,8 @@ def test_export_round_trips_through_from_pretrained(trained_run, tmp_path):
 def test_init_from_an_export_loads_those_weights(trained_run, tmp_path):
     cfg, _ = trained_run
     out = export_hf(cfg.checkpoint_dir / "step-000008", tmp_path / "hf")
-    model = load_or_build_model(load_config(None, [f"--model.init_from={out}"]).model, vocab_size=258, seed=1)
+    model = load_or_build_model(load_config(None, [f"--model.init_from={out}"]).model, vocab_size=258, seed=1,
+                                special_token_ids={"bos_token_id": 256, "eos_token_id": 257})
     original, _ = load_model_from_checkpoint(cfg.checkpoint_dir / "step-000008")
     for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items()):
         assert torch.equal(a, b), name
@@ -42,4 +43,59 @@ def test_init_from_an_export_loads_those_weights(trained_run, tmp_path):
 
 def test_init_from_a_folder_without_weights_names_the_field(tmp_path):
     with pytest.raises(ValueError, match="model.init_from: .* must hold config.json and \\*.safetensors"):
-        load_or_build_model(load_config(None, [f"--model.init_from={tmp_path}"]).model, vocab_size=258, seed=1)
+        load_or_build_model(load_config(None, [f"--model.init_from={tmp_path}"]).model, vocab_size=258, seed=1,
+                            special_token_ids={})
+
+
+PLAIN_TRANSFORMERS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder, prompts, max_new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, use_safetensors=True).eval()
+out = []
+for prompt in prompts:
+    inputs = tokenizer(prompt, return_tensors="pt")
+    with torch.inference_mode():
+        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    out.append({"prompt": prompt, "ids": inputs["input_ids"][0].tolist(),
+                "completion": tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)})
+print(json.dumps(out))
+"""
+
+
+def test_the_export_reproduces_the_runs_generations_with_plain_transformers(trained_run, tmp_path):
+    """What a model server (transformers, vLLM) does with the folder: AutoTokenizer adds the special tokens
+    the model was trained with, config.json and generation_config.json agree with the tokenizer on them, and
+    greedy decoding gives the run's own generations.json — loaded in a process that imports no project code."""
+    import json
+    import subprocess
+    import sys
+
+    from components.evaluate import generate
+    from trainer.tokenizer import load_tokenizer
+
+    cfg, _ = trained_run
+    checkpoint = cfg.checkpoint_dir / "step-000008"
+    prompts = ["The", "Once upon a time", "12 + 7 ="]
+    model, manifest = load_model_from_checkpoint(checkpoint)
+    expected = generate(model, manifest["tokenizer"], prompts, max_new_tokens=24)  # what evaluate logs
+    out = export_hf(checkpoint, tmp_path / "hf")
+
+    proc = subprocess.run([sys.executable, "-c", PLAIN_TRANSFORMERS, str(out), json.dumps(prompts), "24"],
+                          cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    served = json.loads(proc.stdout)
+    training_tokenizer = load_tokenizer("byte")
+    for mine, theirs in zip(expected, served):
+        [trained_ids] = training_tokenizer.encode_documents([mine["prompt"]])
+        assert theirs["ids"] == trained_ids[:-1]  # BOS first, as in training; a prompt has no EOS yet
+        assert theirs["completion"] == mine["completion"], (theirs, mine)
+
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    special = {"bos_token_id": training_tokenizer.bos_id, "eos_token_id": training_tokenizer.eos_id}
+    assert {k: config[k] for k in special} == special
+    assert {k: generation[k] for k in special} == special
