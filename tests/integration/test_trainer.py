@@ -41,7 +41,8 @@ def test_resume_from_an_earlier_checkpoint_replays_bit_identical_losses(trained_
 
 
 def test_a_failing_launch_reports_the_log(tmp_path, training_config):
-    cfg = training_config(tmp_path, "broken", "--training.num_steps=2")
+    cfg = training_config(tmp_path, "broken", "--training.num_steps=2", "--resilience.max_restarts=0",
+                          "--resilience.job_restarts=0")  # restarts would only repeat the same failure
     with pytest.raises(TrainingError) as err:
         run_local_training(cfg, tmp_path / "no-data")
     assert "exited with code" in str(err.value) and "stage the dataset first" in str(err.value)
