@@ -7,11 +7,17 @@
 2. the DRA linking fsx_path to the S3 prefix is found, or created (auto-import policy, batch metadata
    import) — a path that overlaps another DRA, or a 9th DRA, is refused with the conflicting DRA named;
 3. wait (backoff, timeout) until it is AVAILABLE; MISCONFIGURED / FAILED surface with AWS's message;
-4. an ``IMPORT_METADATA_FROM_REPOSITORY`` task for the path, with a completion report; FAILED / CANCELED
-   surface with the report's location;
+4. an ``IMPORT_METADATA_FROM_REPOSITORY`` task for the DRA's S3 prefix, with a completion report written to
+   ``<prefix>/.fsx-reports`` in that linked repository; FAILED / CANCELED surface with the report's location.
+   The FSx API reference (CreateDataRepositoryTask) fixes both: an import task's ``Paths`` are paths in the
+   S3 bucket (``s3://bucket/prefix``), not on the file system, and a report ``Path`` must lie within the
+   ``DataRepositoryPath`` of one of the file system's associations;
 5. optionally preload file contents (``lfs hsm_restore``, in parallel; verified with ``lfs hsm_action``).
+   Without the ``lfs`` tool the preload is skipped loudly and the manifest says so.
 
-Idempotent: a re-run finds the same DRA and only imports. The FSx control plane cannot exist on this
+Idempotent: a re-run finds the same DRA and only imports; the import task's ClientRequestToken is derived
+from the file system, the prefix and the listing's fingerprint, so a retried step (same data) gets the same
+task back instead of starting a second one, and changed data gets a new task. The FSx control plane cannot exist on this
 machine; the tests drive this module through ``botocore.stub.Stubber``, which checks every request
 against FSx's service model.
 """
@@ -31,6 +37,7 @@ log = logging.getLogger(__name__)
 
 MAX_DRAS_PER_FILE_SYSTEM = 8
 DRA_VERSIONS = ("2.12", "2.15")
+REPORT_DIR = ".fsx-reports"  # below the DRA's S3 prefix; never staged as data
 _TAG = {"Key": "managed-by", "Value": "resilient-train"}
 
 
@@ -171,15 +178,17 @@ def wait_for_dra(client, association_id: str, poller: _Poller) -> dict:
                            "(data.dra_import_timeout_seconds): check it in the FSx console, then re-run")
 
 
-def import_metadata(client, file_system_id: str, fsx_path: str, poller: _Poller) -> dict:
-    """Run an IMPORT_METADATA_FROM_REPOSITORY task for fsx_path and wait for it; the finished task."""
-    report_path = fsx_path.rstrip("/") + "/.fsx-reports"
+def import_metadata(client, file_system_id: str, data_repository_path: str, fsx_path: str, data_fingerprint: str,
+                    poller: _Poller) -> dict:
+    """Run an IMPORT_METADATA_FROM_REPOSITORY task for the DRA's S3 prefix and wait for it; the finished task."""
+    s3_prefix = data_repository_path.rstrip("/") + "/"
+    report_path = s3_prefix + REPORT_DIR
     task = client.create_data_repository_task(
-        Type="IMPORT_METADATA_FROM_REPOSITORY", Paths=[fsx_path], FileSystemId=file_system_id,
+        Type="IMPORT_METADATA_FROM_REPOSITORY", Paths=[s3_prefix], FileSystemId=file_system_id,
         Report={"Enabled": True, "Path": report_path, "Format": "REPORT_CSV_20191124", "Scope": "FAILED_FILES_ONLY"},
-        ClientRequestToken=uuid.uuid4().hex[:32], Tags=[_TAG])["DataRepositoryTask"]
+        ClientRequestToken=_token(file_system_id, s3_prefix, data_fingerprint), Tags=[_TAG])["DataRepositoryTask"]
     task_id = task["TaskId"]
-    log.info("metadata import task %s for %s started", task_id, fsx_path)
+    log.info("metadata import task %s for %s -> %s started", task_id, s3_prefix, fsx_path)
     while True:
         [task] = client.describe_data_repository_tasks(TaskIds=[task_id])["DataRepositoryTasks"]
         state = task["Lifecycle"]
@@ -192,19 +201,22 @@ def import_metadata(client, file_system_id: str, fsx_path: str, poller: _Poller)
             message = task.get("FailureDetails", {}).get("Message", "no details from FSx")
             report = task.get("Report", {}).get("Path", report_path)
             raise FsxError(f"metadata import task {task_id} for {fsx_path} is {state}: {message}. Failed files are "
-                           f"listed in the completion report under {report} on {file_system_id}")
+                           f"listed in the completion report under {report}")
         if not poller.wait():
             raise FsxError(f"metadata import task {task_id} for {fsx_path} still {state} after "
                            f"{poller.timeout:.0f} s (data.dra_import_timeout_seconds): it keeps running on FSx; "
                            "re-run the stage step to wait again, or raise the timeout")
 
 
-def preload(directory: Path, max_workers: int = 8, lfs: str | None = None) -> int:
-    """Restore file contents from S3 ahead of the first read; returns the file count (0 without lfs)."""
+def preload(directory: Path, max_workers: int = 8, lfs: str | None = None) -> dict[str, Any]:
+    """Restore file contents from S3 ahead of the first read; what was done, or why it was skipped."""
     lfs = lfs or shutil.which("lfs")
     if lfs is None:
-        log.info("no lfs tool: file contents load lazily on first read")
-        return 0
+        reason = ("the lfs tool (Lustre client utilities) is not in this image: file contents load lazily on first "
+                  "read, so the first epoch reads through FSx from S3. Install lustre-client utilities in the "
+                  "pipeline image, or set data.preload=false to silence this")
+        log.warning("preload skipped: %s", reason)
+        return {"requested": True, "preloaded_files": 0, "skipped": reason}
     files = [p for p in Path(directory).rglob("*") if p.is_file()]
     batches = [files[i : i + 256] for i in range(0, len(files), 256)]
 
@@ -224,14 +236,15 @@ def preload(directory: Path, max_workers: int = 8, lfs: str | None = None) -> in
     if pending:
         raise FsxError(f"{len(pending)} file(s) under {directory} still restoring after an hour, e.g. {pending[0]}")
     log.info("preloaded %d files under %s", len(files), directory)
-    return len(files)
+    return {"requested": True, "preloaded_files": len(files), "skipped": None}
 
 
 def stage_via_dra(client, *, file_system_id: str, mount_root: Path, fsx_path: str, s3_uri: str,
-                  auto_import: list[str], timeout: float, poll_seconds: float, require_lustre_mount: bool = True,
-                  preload_contents: bool = True, max_workers: int = 8,
+                  auto_import: list[str], timeout: float, poll_seconds: float, data_fingerprint: str,
+                  require_lustre_mount: bool = True, preload_contents: bool = True, max_workers: int = 8,
                   sleep: Callable[[float], None] = time.sleep) -> dict[str, Any]:
-    """The whole DRA flow; returns what the dataset manifest records about it."""
+    """The whole DRA flow; returns what the dataset manifest records about it. data_fingerprint identifies the
+    S3 listing being imported (the import task's idempotency)."""
     started = time.perf_counter()
     if require_lustre_mount and mount_type(mount_root) != "lustre":
         raise FsxError(f"data.fsx_root {mount_root} is not on a Lustre mount (found {mount_type(mount_root)!r}): "
@@ -240,12 +253,15 @@ def stage_via_dra(client, *, file_system_id: str, mount_root: Path, fsx_path: st
     s3_path = s3_uri.rstrip("/") + "/"
     dra, created = find_or_create_dra(client, file_system_id, fsx_path, s3_path, auto_import)
     dra = wait_for_dra(client, dra["AssociationId"], _Poller(timeout, poll_seconds, sleep))
-    task = import_metadata(client, file_system_id, fsx_path, _Poller(timeout, poll_seconds, sleep))
+    task = import_metadata(client, file_system_id, dra["DataRepositoryPath"], fsx_path, data_fingerprint,
+                           _Poller(timeout, poll_seconds, sleep))
     local_dir = Path(mount_root) / fsx_path.lstrip("/")
-    preloaded = preload(local_dir, max_workers) if preload_contents else 0
+    preloaded = (preload(local_dir, max_workers) if preload_contents
+                 else {"requested": False, "preloaded_files": 0, "skipped": None})
     return {"file_system_id": file_system_id, "file_system_dns": fs.get("DNSName"),
             "mount_name": fs.get("LustreConfiguration", {}).get("MountName"),
             "association_id": dra["AssociationId"], "association_created": created, "fsx_path": fsx_path,
             "data_repository_path": dra["DataRepositoryPath"], "import_task_id": task["TaskId"],
-            "import_status": task.get("Status", {}), "preloaded_files": preloaded,
+            "import_status": task.get("Status", {}), "import_report": task.get("Report", {}).get("Path"),
+            "preload": preloaded, "preloaded_files": preloaded["preloaded_files"],
             "dra_seconds": time.perf_counter() - started}

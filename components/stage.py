@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from components.fsx import REPORT_DIR
 from components.object_paths import BadKey, inside, map_objects
 
 log = logging.getLogger(__name__)
@@ -87,15 +88,19 @@ def parse_s3_uri(s3_uri: str) -> tuple[str, str]:
 
 
 def list_objects(client, bucket: str, prefix: str) -> list[dict[str, Any]]:
-    """Every key under the prefix, folder markers included (``map_objects`` decides what each one becomes)."""
+    """Every key under the prefix, folder markers included (``map_objects`` decides what each one becomes),
+    except the FSx import reports that DRA mode writes below it."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     key_prefix = f"{prefix}/" if prefix else ""
+    reports = key_prefix + REPORT_DIR + "/"
     objects = []
     try:
         client.head_bucket(Bucket=bucket)
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
             for item in page.get("Contents", []):
+                if item["Key"].startswith(reports):
+                    continue
                 objects.append({"key": item["Key"], "bytes": item["Size"], "etag": item["ETag"].strip('"'),
                                 "mtime": item["LastModified"].timestamp(),
                                 "checksum_algorithm": (item.get("ChecksumAlgorithm") or [None])[0]})
@@ -250,19 +255,23 @@ def copy_from_s3(client, bucket: str, mapped: list[tuple[dict[str, Any], Path]],
             "files": [str(target) for _, target in mapped]}
 
 
+def listing_fingerprint(data, objects: list[dict[str, Any]]) -> str:
+    """What staging produces depends on: the listing (keys, sizes, ETags) and the data settings."""
+    listing = sorted((o["key"], o["bytes"], o["etag"]) for o in objects)
+    return hashlib.sha256(json.dumps([data.s3_uri, data.stage_mode, data.tokenizer, data.val_fraction, data.on_bad_key,
+                                      listing]).encode()).hexdigest()[:32]
+
+
 def data_fingerprint(data) -> str:
-    """A hash of the prefix's listing (keys, sizes, ETags) — the KFP cache key of the stage step. Never
-    raises: when the listing fails the fingerprint is unique, so the stage step runs and reports the error."""
+    """A hash of the prefix's listing — the KFP cache key of the stage step. Never raises: when the listing
+    fails the fingerprint is unique, so the stage step runs and reports the error."""
     try:
         bucket, prefix = parse_s3_uri(data.s3_uri)
         objects = list_objects(s3_client(data.s3_endpoint_url), bucket, prefix)
     except Exception as err:  # noqa: BLE001
         log.warning("cannot list %s for the cache key (%s): the stage step will run", data.s3_uri, err)
         return f"unlisted-{time.time_ns()}"
-    listing = sorted((o["key"], o["bytes"], o["etag"]) for o in objects)
-    return hashlib.sha256(json.dumps([data.s3_uri, data.stage_mode, data.tokenizer, data.val_fraction, data.on_bad_key,
-                                      listing])
-                          .encode()).hexdigest()[:32]
+    return listing_fingerprint(data, objects)
 
 
 def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[str, Any]:
@@ -297,13 +306,15 @@ def _stage_locked(data, dataset_dir: Path, fsx_root: Path, fsx) -> dict[str, Any
         fsx_path = "/" + str(raw_dir.relative_to(fsx_root)) if raw_dir.is_relative_to(fsx_root) else None
         if fsx_path is None:
             raise StageError(f"dataset folder {raw_dir} is not under data.fsx_root {fsx_root}")
+        listed = list_objects(client, bucket, prefix)
         dra = stage_via_dra(fsx or fsx_client(), file_system_id=data.fsx_file_system_id, mount_root=fsx_root,
                             fsx_path=fsx_path, s3_uri=data.s3_uri,
                             auto_import=[e.strip() for e in data.dra_auto_import.split(",") if e.strip()],
                             timeout=data.dra_import_timeout_seconds, poll_seconds=data.dra_poll_seconds,
+                            data_fingerprint=listing_fingerprint(data, listed),
                             require_lustre_mount=data.require_lustre_mount, preload_contents=data.preload,
                             max_workers=data.max_workers)
-        mapped, skipped = select_objects(list_objects(client, bucket, prefix), bucket, prefix, raw_dir, data.on_bad_key)
+        mapped, skipped = select_objects(listed, bucket, prefix, raw_dir, data.on_bad_key)
         missing = [o["key"] for o, path in mapped if not path.is_file()]
         if missing:
             raise StageError(f"{len(missing)} object(s) under {data.s3_uri} are not visible under {raw_dir} after "

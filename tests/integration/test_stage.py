@@ -152,3 +152,5 @@ def test_dra_mode_stages_through_the_fsx_api_and_writes_the_same_manifest(s3, tm
     assert manifest["mode"] == "dra" and manifest["fsx_path"] == "/datasets/demo/raw"
     assert manifest["dra"]["association_id"] == "dra-0123456789abcdef0" and manifest["downloaded"] == 0
     assert manifest["object_count"] > 0 and manifest["tokens"]["splits"]["train"]["tokens"] > 0
+    # No lfs here: the preload was asked for, skipped loudly, and the manifest says why.
+    assert manifest["dra"]["preload"]["requested"] and "lfs tool" in manifest["dra"]["preload"]["skipped"]

@@ -1,4 +1,8 @@
-"""The DRA flow against botocore's Stubber: every request is checked against FSx's real service model."""
+"""The DRA flow against botocore's Stubber: every request is checked against FSx's real service model, and
+the import task against the rules of the FSx API reference (CreateDataRepositoryTask), which botocore ships
+as the operation's documentation: for import tasks "the list contains paths in the Amazon S3 bucket ... in
+the format s3://bucket-name/prefix", and the report "Path you provide must be within the Amazon S3 location
+that the file system is linked to ... The DataRepositoryPath of one of the associations"."""
 
 import datetime
 
@@ -35,7 +39,7 @@ def dra(lifecycle="AVAILABLE", association_id="dra-0123456789abcdef0", fsx_path=
 
 def task(lifecycle, **extra):
     return {"TaskId": "task-0123456789abcdef0", "Lifecycle": lifecycle, "Type": "IMPORT_METADATA_FROM_REPOSITORY",
-            "CreationTime": NOW, "FileSystemId": FS, "Paths": [FSX_PATH], **extra}
+            "CreationTime": NOW, "FileSystemId": FS, "Paths": [S3_PATH], **extra}
 
 
 def expect_describe_fs(stubber, **kwargs):
@@ -54,18 +58,25 @@ def expect_dra_state(stubber, lifecycle, **extra):
 
 def expect_import(stubber, *lifecycles, **final):
     stubber.add_response("create_data_repository_task", {"DataRepositoryTask": task("PENDING")}, {
-        "Type": "IMPORT_METADATA_FROM_REPOSITORY", "Paths": [FSX_PATH], "FileSystemId": FS,
-        "Report": {"Enabled": True, "Path": FSX_PATH + "/.fsx-reports", "Format": "REPORT_CSV_20191124",
-                   "Scope": "FAILED_FILES_ONLY"}, "ClientRequestToken": ANY, "Tags": ANY})
+        "Type": "IMPORT_METADATA_FROM_REPOSITORY", "Paths": ANY, "FileSystemId": FS, "Report": ANY,
+        "ClientRequestToken": ANY, "Tags": ANY})
     for index, lifecycle in enumerate(lifecycles):
         extra = final if index == len(lifecycles) - 1 else {}
         stubber.add_response("describe_data_repository_tasks", {"DataRepositoryTasks": [task(lifecycle, **extra)]},
                              {"TaskIds": ["task-0123456789abcdef0"]})
 
 
+def sent_import_tasks(client):
+    """Every CreateDataRepositoryTask request the client makes (the Stubber then validates it against the model)."""
+    sent = []
+    client.meta.events.register("before-parameter-build.fsx.CreateDataRepositoryTask",
+                                lambda params, **kwargs: sent.append(dict(params)))
+    return sent
+
+
 def run(client, tmp_path, sleeps=None, **overrides):
     kwargs = dict(file_system_id=FS, mount_root=tmp_path, fsx_path=FSX_PATH, s3_uri=S3_PATH.rstrip("/"),
-                  auto_import=["NEW", "CHANGED", "DELETED"], timeout=3600, poll_seconds=5,
+                  auto_import=["NEW", "CHANGED", "DELETED"], timeout=3600, poll_seconds=5, data_fingerprint="f1",
                   require_lustre_mount=False, preload_contents=False,
                   sleep=(sleeps.append if sleeps is not None else lambda s: None))
     return stage_via_dra(client, **{**kwargs, **overrides})
@@ -132,9 +143,9 @@ def test_a_failed_import_names_the_report(fsx, tmp_path):
     expect_list_dras(stubber, [dra("AVAILABLE")])
     expect_dra_state(stubber, "AVAILABLE")
     expect_import(stubber, "EXECUTING", "FAILED", FailureDetails={"Message": "2 files failed"},
-                  Report={"Enabled": True, "Path": FSX_PATH + "/.fsx-reports"})
+                  Report={"Enabled": True, "Path": S3_PATH + ".fsx-reports"})
     with pytest.raises(FsxError, match=r"task-0123456789abcdef0 .* FAILED: 2 files failed.*report under "
-                                       r"/datasets/demo/raw/.fsx-reports"):
+                                       r"s3://bucket/datasets/demo/.fsx-reports"):
         run(client, tmp_path)
 
 
@@ -183,3 +194,50 @@ def test_a_target_that_is_not_a_lustre_mount_is_refused(fsx, tmp_path):
     client, _ = fsx
     with pytest.raises(FsxError, match=rf"data.fsx_root {tmp_path} is not on a Lustre mount"):
         run(client, tmp_path, require_lustre_mount=True)
+
+
+def _within(path: str, repository: str) -> bool:
+    return path.rstrip("/").startswith(repository.rstrip("/") + "/") or path.rstrip("/") == repository.rstrip("/")
+
+
+def test_the_import_task_reads_the_linked_s3_prefix_and_reports_into_it(fsx, tmp_path):
+    client, stubber = fsx
+    expect_describe_fs(stubber)
+    expect_list_dras(stubber, [dra("AVAILABLE")])
+    expect_dra_state(stubber, "AVAILABLE")
+    expect_import(stubber, "SUCCEEDED")
+    sent = sent_import_tasks(client)
+    run(client, tmp_path)
+    [request] = sent
+    association = dra("AVAILABLE")
+    assert all(p.startswith("s3://") and _within(p, association["DataRepositoryPath"]) for p in request["Paths"])
+    assert not any(p.startswith(FSX_PATH) for p in request["Paths"])  # an FSx path here fails every import
+    assert request["Report"]["Enabled"] and request["Report"]["Path"].startswith("s3://")
+    assert _within(request["Report"]["Path"], association["DataRepositoryPath"])
+
+
+def test_a_retried_import_reuses_its_token_and_changed_data_gets_a_new_one(tmp_path):
+    """A retried step must not start a second task for the same data (ClientRequestToken is the API's
+    idempotency token), while a re-stage after the data changed must import again."""
+    tokens = []
+    for fingerprint in ("listing-1", "listing-1", "listing-2"):
+        client = boto3.client("fsx", region_name="us-east-1", aws_access_key_id="t", aws_secret_access_key="t")
+        with Stubber(client) as stubber:
+            expect_describe_fs(stubber)
+            expect_list_dras(stubber, [dra("AVAILABLE")])
+            expect_dra_state(stubber, "AVAILABLE")
+            expect_import(stubber, "SUCCEEDED")
+            sent = sent_import_tasks(client)
+            run(client, tmp_path, data_fingerprint=fingerprint)
+        tokens.append(sent[0]["ClientRequestToken"])
+    assert tokens[0] == tokens[1] != tokens[2]
+
+
+def test_a_missing_lfs_skips_the_preload_loudly_and_says_so(tmp_path, monkeypatch, caplog):
+    from components.fsx import preload
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no lfs on it
+    (tmp_path / "a.txt").write_text("x")
+    result = preload(tmp_path)
+    assert result["preloaded_files"] == 0 and "lfs tool" in result["skipped"]
+    assert any(r.levelname == "WARNING" and "preload skipped" in r.message for r in caplog.records)
