@@ -39,7 +39,7 @@ compile: install  ## KFP IR YAML of the pipeline
 
 golden: install  ## regenerate the golden compiled pipelines the tests diff against
 	$(PY) -m pipelines compile --config local -o tests/golden/pipeline-local.yaml
-	$(PY) -m pipelines compile --config pipelines/configs/eks-example.yaml -o tests/golden/pipeline-eks.yaml
+	$(PY) -m pipelines compile --config pipelines/configs/eks-prod.yaml -o tests/golden/pipeline-eks.yaml
 
 clean:
 	rm -rf work build .pytest_cache

@@ -11,6 +11,7 @@ KFP's job id (the run id when the config has none).
 """
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 from kfp import dsl
 from kfp.dsl import Dataset, Input, Metrics, Output, PipelineTaskFinalStatus
@@ -26,18 +27,22 @@ def prepare_run(config_json: str, overrides: list, kfp_job_id: str) -> str:
     return prepare_step(resolve_config(config_json, overrides, kfp_job_id))["run_dir"]
 
 
-def fingerprint_data(config_json: str, overrides: list) -> str:
-    """The S3 prefix's listing hash (keys, sizes, ETags): the stage step's cache key. Never fails."""
+def fingerprint_data(config_json: str, overrides: list) -> NamedTuple("Outputs", [("fingerprint", str),
+                                                                               ("stage_config", str)]):
+    """The S3 prefix's listing hash (keys, sizes, ETags) and the staging-only config: together the stage
+    step's cache key, free of per-run values. Never fails."""
     import logging
+    from collections import namedtuple
 
     from components.stage import data_fingerprint
-    from components.steps import resolve_config
+    from components.steps import resolve_config, staging_config_json
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return data_fingerprint(resolve_config(config_json, overrides, "fingerprint").data)
+    cfg = resolve_config(config_json, overrides, "fingerprint")
+    return namedtuple("Outputs", ["fingerprint", "stage_config"])(data_fingerprint(cfg.data), staging_config_json(cfg))
 
 
-def stage_data(config_json: str, overrides: list, data_fingerprint: str, dataset: Output[Dataset]) -> str:
+def stage_data(stage_config: str, data_fingerprint: str, dataset: Output[Dataset]) -> str:
     """S3 → the FSx path, tokenized; returns the dataset folder. Cached: the same data is staged once."""
     import json
     import logging
@@ -45,7 +50,7 @@ def stage_data(config_json: str, overrides: list, data_fingerprint: str, dataset
     from components.steps import resolve_config, stage_only
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = stage_only(resolve_config(config_json, overrides, "stage"), data_fingerprint)
+    result = stage_only(resolve_config(stage_config, [], "stage"), data_fingerprint)
     with open(dataset.path, "w") as handle:
         json.dump(result, handle, indent=2)
     dataset.metadata.update({k: result[k] for k in ("s3_uri", "mode", "objects", "bytes", "content_hash",
@@ -128,8 +133,8 @@ def finalize_run(config_json: str, overrides: list, kfp_job_id: str, status: Pip
 
 
 def make_components(image: str) -> SimpleNamespace:
-    """The KFP components, running in `image`. install_kfp_package=False: the image has kfp (and it saves
-    ~0.6 s per step locally)."""
+    """The KFP components, running in `image` (the pipeline image). install_kfp_package=False: the image has
+    kfp (and it saves ~0.6 s per step locally)."""
     functions = (prepare_run, fingerprint_data, stage_data, record_stage, train_model, validate_checkpoint,
                  evaluate_model, finalize_run)
     return SimpleNamespace(**{f.__name__: dsl.component(f, base_image=image, install_kfp_package=False)

@@ -274,14 +274,26 @@ def data_fingerprint(data) -> str:
     return listing_fingerprint(data, objects)
 
 
+def not_writable_hint(namespace: str) -> str:
+    """What to do when the pods' uid cannot write below the FSx root (root-owned until prepared)."""
+    return ("The FSx file system's root and what a DRA imports without POSIX metadata belong to root: run the "
+            f"one-time preparation Job (`kubectl -n {namespace} get job fsx-prepare`, manifests/base/fsx/"
+            "prepare-job.yaml) that creates runs/ and datasets/ for uid 10001; see docs/first-run-on-eks.md")
+
+
 def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[str, Any]:
     """Stage data.s3_uri into <dataset_dir>/raw by data.stage_mode, tokenize it, write the manifest.
 
     `data` is the config's DataConfig; `fsx` an FSx client for dra mode (created when omitted). Concurrent
-    stages of the same dataset folder (two pipeline runs at once) take turns.
+    stages of the same dataset folder (two pipeline runs at once) take turns. The dataset folder is created
+    here, before a DRA links raw/ below it, so the token shards beside raw/ are this uid's to write.
     """
     dataset_dir = Path(dataset_dir)
-    dataset_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        dataset_dir.mkdir(parents=True, exist_ok=True)
+    except PermissionError as err:
+        raise StageError(f"cannot create {dataset_dir} as uid {os.getuid()}: {err.strerror}. "
+                         f"{not_writable_hint('resilient-train')}") from err
     with (dataset_dir / STAGE_LOCK).open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _stage_locked(data, dataset_dir, Path(fsx_root), fsx)

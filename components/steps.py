@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import subprocess
 import time
 import traceback
@@ -24,6 +25,10 @@ log = logging.getLogger(__name__)
 
 STEPS_DIR = "steps"
 SUMMARY = "summary.json"
+
+
+class RunFolderError(RuntimeError):
+    """The run folder cannot be created; the message says why and what to do."""
 
 
 def resolve_config(config_json: str, overrides: list[str], kfp_job_id: str = "") -> Config:
@@ -87,7 +92,13 @@ def _git_commit() -> str:
 
 def prepare_step(cfg: Config) -> dict[str, Any]:
     """Create the run folder and the MLflow parent run (found again, not duplicated, on a retry)."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    from components.stage import not_writable_hint
+
+    try:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    except PermissionError as err:
+        raise RunFolderError(f"cannot create {cfg.run_dir} as uid {os.getuid()}: {err.strerror}. "
+                             f"{not_writable_hint(cfg.kubernetes.namespace)}") from err
     (cfg.run_dir / "config.yaml").write_text(cfg.to_yaml())
     mlflow = tracker(cfg)
     mlflow.start_parent(params=tracking.flatten(cfg.to_dict()),
@@ -102,6 +113,13 @@ def prepare_step(cfg: Config) -> dict[str, Any]:
 
 
 STAGE_ERROR = "stage.error.json"
+
+
+def staging_config_json(cfg: Config) -> str:
+    """What the stage step depends on and nothing else (no run id, trigger or training settings): its KFP
+    cache key is this plus the listing's fingerprint, so runs over unchanged data share one staging."""
+    return json.dumps({"run": {"work_dir": str(cfg.work_dir)}, "data": cfg.to_dict()["data"]}, sort_keys=True,
+                      separators=(",", ":"))
 
 
 def stage_only(cfg: Config, data_fingerprint: str = "") -> dict[str, Any]:
@@ -186,18 +204,28 @@ def run_on_cluster(cfg: Config, data_dir: str) -> dict[str, Any]:
     return TrainJobLauncher(cfg, client.CustomObjectsApi(), client.CoreV1Api()).run(data_dir)
 
 
+def _delete_unfinished_trainjob(cfg: Config) -> None:
+    from kubernetes import client, config
+
+    from components.trainjob import delete_unfinished_trainjob
+
+    try:
+        config.load_incluster_config()
+        delete_unfinished_trainjob(cfg, client.CustomObjectsApi())
+    except Exception as err:  # noqa: BLE001 - the summary must still be written; the log says what to do
+        log.error("could not delete this run's TrainJob (%s): check `kubectl -n %s get trainjobs` and delete it "
+                  "by hand if it still runs", err, cfg.kubernetes.namespace)
+
+
 def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
     """Recovery events as an MLflow table, plus their totals and the job's goodput as metrics."""
     from trainer.events import read_events
 
     recoveries = read_events(cfg.run_dir, "recovery")
-    faults = read_events(cfg.run_dir, "fault")
-    totals = {"step": result["steps"], "faults_injected": len(faults), "recoveries": len(recoveries),
-              "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries),
-              "recovery_seconds_total": sum(r["recovery_seconds"] or 0.0 for r in recoveries),
-              "goodput": result.get("goodput") or 0.0}
-    for mechanism in sorted({r["mechanism"] for r in recoveries}):
-        totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
+    totals = {"step": result["steps"], "faults_injected": len(read_events(cfg.run_dir, "fault")),
+              **result["recovery_totals"]}
+    if result.get("goodput") is not None:
+        totals["goodput"] = result["goodput"]
     mlflow.log_metrics(run, [totals])
     if recoveries:
         columns = sorted({key for r in recoveries for key in r})
@@ -276,8 +304,12 @@ def _promotion_gate(cfg: Config, mlflow: tracking.Tracker, run: str, checkpoint:
 
 
 def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
-    """Exit handler: compose summary.json from the step results and close the MLflow parent run."""
+    """Exit handler: compose summary.json from the step results and close the MLflow parent run; on the
+    cluster, a run that did not succeed (failed, cancelled) also deletes a TrainJob still holding GPUs."""
     from trainer.events import read_events
+
+    if cfg.kubernetes.enabled and pipeline_state != "SUCCEEDED":
+        _delete_unfinished_trainjob(cfg)
 
     steps = {name: read_step_result(cfg, name) for name in ("prepare", "stage", "train", "validate", "evaluate")}
     errors = []
@@ -321,8 +353,8 @@ def finalize_step(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         metrics = {k: summary[k] for k in ("steps_trained", "final_train_loss", "heldout_loss", "goodput")
                    if summary[k] is not None}
         if train:
-            metrics.update(recoveries=len(summary["recovery_events"]),
-                           lost_steps=sum(r["lost_steps"] or 0 for r in summary["recovery_events"]),
+            totals = train["recovery_totals"]
+            metrics.update(recoveries=totals["recoveries"], lost_steps=totals["lost_steps"],
                            checkpoint_stall_mean_seconds=train.get("checkpoint_stall_mean_seconds", 0.0))
         if metrics:
             mlflow.log_metrics(tracking.PARENT, [{"step": summary["steps_trained"] or 0, **metrics}])

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Config
+from trainer.launch_args import initial_heartbeat_timeout, trainer_command
 from trainer.lease import GENERATION_ENV, RunLease
 
 log = logging.getLogger(__name__)
@@ -44,16 +45,7 @@ class TrainingError(RuntimeError):
 def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
     """ft_launcher (in-job restarts, hang detection) or plain torchrun, on this machine, through
     trainer.launcher so that nothing it starts outlives it."""
-    from trainer import nvrx_compat
-
-    r = cfg.resilience
-    if r.launcher == "ft_launcher":
-        flags = nvrx_compat.ft_launcher_flags(r.initial_heartbeat_timeout, r.heartbeat_timeout, r.max_restarts)
-    else:
-        flags = [f"--max-restarts={r.max_restarts}"]
-    launcher = [sys.executable, "-m", "trainer.launcher", r.launcher, *flags]
-    return [*launcher, "--standalone", f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer",
-            "--config", str(config_path), "--data-dir", str(data_dir)]
+    return trainer_command(cfg, config_path, data_dir)
 
 
 def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
@@ -67,7 +59,7 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    with RunLease(run_dir) as lease, _cancel_on_sigterm():
+    with RunLease(run_dir) as lease, cancel_on_sigterm():
         config_path = run_dir / "config.yaml"
         config_path.write_text(cfg.to_yaml())
         for attempt in range(cfg.resilience.job_restarts + 1):
@@ -82,11 +74,31 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     result_path = run_dir / "result.json"
     if not result_path.is_file():
         raise TrainingError(f"training finished but wrote no {result_path}; log: {run_dir / 'train.log'}")
-    result = json.loads(result_path.read_text())
-    wall = time.time() - started
+    return {**json.loads(result_path.read_text()), **training_report(run_dir, started)}
+
+
+def training_report(run_dir: Path, started_at: float | None) -> dict[str, Any]:
+    """Goodput and recovery totals from the run folder alone, so both launchers (this machine, a TrainJob)
+    report the same thing: productive step seconds over the job's wall time, from started_at (the launch;
+    else the first process start) to the result (else now)."""
+    from trainer.events import read_events
+
+    run_dir = Path(run_dir)
+    if started_at is None:
+        launches = read_events(run_dir, "launch")
+        started_at = min((e["process_started_at"] for e in launches), default=None)
+    result_path = run_dir / "result.json"
+    finished_at = json.loads(result_path.read_text()).get("finished_at") if result_path.is_file() else None
+    finished_at = finished_at or time.time()
+    wall = finished_at - started_at if started_at is not None else None
     productive = sum(r["step_seconds"] for r in read_metrics(run_dir / "metrics.jsonl"))
-    result.update(job_wall_seconds=wall, productive_seconds=productive, goodput=productive / wall if wall else None)
-    return result
+    recoveries = read_events(run_dir, "recovery")
+    totals = {"recoveries": len(recoveries), "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries),
+              "recovery_seconds_total": sum(r["recovery_seconds"] or 0.0 for r in recoveries)}
+    for mechanism in sorted({r["mechanism"] for r in recoveries}):
+        totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
+    return {"job_wall_seconds": wall, "productive_seconds": productive,
+            "goodput": productive / wall if wall else None, "recovery_totals": totals}
 
 
 class JobCancelled(RuntimeError):
@@ -94,7 +106,7 @@ class JobCancelled(RuntimeError):
 
 
 @contextlib.contextmanager
-def _cancel_on_sigterm():
+def cancel_on_sigterm():
     """SIGTERM becomes JobCancelled in the main thread, so the launch below stops its whole job first."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -154,6 +166,8 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
 
     log_path = cfg.run_dir / "train.log"
     command = launch_command(cfg, config_path, data_dir)
+    if cfg.resilience.launcher == "ft_launcher":
+        log.info("initial heartbeat timeout %.0f s: %s", *initial_heartbeat_timeout(cfg, data_dir))
     log.info("launching (attempt %d, lease generation %d): %s", attempt + 1, generation, " ".join(command))
     token = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: cfg.resilience.launcher, JOB_ATTEMPT_ENV: str(attempt),

@@ -7,6 +7,13 @@ Idempotent: the job's name is derived from the pipeline run and the attempt reco
 ``<run_dir>/steps/trainjob.json`` *before* the job is created, so a retried launcher pod finds the record,
 re-attaches to the job it already submitted and never submits a second one. A job that already exists
 under that name (the record was written, the pod died before the create returned) is adopted as well.
+KFP's retries cannot tell exit codes apart, so a job recorded as Failed (JobSet and ft_launcher already
+spent their restarts on it) is reported again, never resubmitted: a new pipeline run trains anew.
+
+The launcher holds the run folder's lease while it follows the job, and each new job runs under a new
+lease generation (RESILIENT_TRAIN_LEASE_GENERATION), so pods of an older job can never write again. A
+cancelled step (SIGTERM: a KFP cancel, a deleted pod) deletes its TrainJob before it exits, and the exit
+handler deletes one that is still running when the pipeline did not succeed: nothing keeps holding GPUs.
 
 Exit codes of the launcher component: 0 when training succeeded, 1 when the TrainJob failed (a training
 error: the logs say why), 3 for infrastructure errors (API unreachable, forbidden, the job vanished, the
@@ -23,7 +30,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from components.train import JobCancelled, cancel_on_sigterm, training_report
 from trainer.config import Config
+from trainer.launch_args import initial_heartbeat_timeout, trainer_command
+from trainer.lease import GENERATION_ENV, RunLease
 
 log = logging.getLogger(__name__)
 
@@ -54,25 +64,13 @@ def trainjob_name(run_id: str, attempt: int) -> str:
     return re.sub(r"^-+|-+$", "", name)
 
 
-def trainer_command(cfg: Config, data_dir: str, job_name: str) -> list[str]:
-    """ft_launcher (or torchrun) on each node. The Trainer's torch plugin sets PET_NNODES, PET_NODE_RANK,
-    PET_MASTER_ADDR and PET_MASTER_PORT in the container; Kubernetes expands $(VAR) in the command."""
-    from trainer import nvrx_compat
-
-    r = cfg.resilience
-    if r.launcher == "ft_launcher":
-        launcher = ["ft_launcher", *nvrx_compat.ft_launcher_flags(r.initial_heartbeat_timeout, r.heartbeat_timeout,
-                                                                 r.max_restarts)]
-    else:
-        launcher = ["torchrun", f"--max-restarts={r.max_restarts}"]
-    # ft_launcher rejects nproc_per_node=auto: always explicit.
-    return [*launcher, f"--nproc-per-node={cfg.training.nproc_per_node}", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", f"--rdzv-id={job_name}", "-m", "trainer",
-            "--config", str(cfg.run_dir / "config.yaml"), "--data-dir", data_dir,
+def node_command(cfg: Config, data_dir: str, job_name: str) -> list[str]:
+    """What each node runs: the launcher (trainer.launch_args, as on one machine) over the shared config."""
+    return [*trainer_command(cfg, cfg.run_dir / "config.yaml", data_dir, job_name=job_name, python="python"),
             f"--training.prometheus_port={cfg.kubernetes.prometheus_port}"]
 
 
-def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0) -> dict[str, Any]:
+def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int = 1) -> dict[str, Any]:
     k = cfg.kubernetes
     resources: dict[str, Any] = {}
     if k.gpus_per_node:
@@ -104,11 +102,12 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0) -> dict[str, An
             "activeDeadlineSeconds": cfg.training.timeout_seconds,
             "trainer": {
                 "image": k.image,
-                "command": trainer_command(cfg, data_dir, name),
+                "command": node_command(cfg, data_dir, name),
                 "numNodes": cfg.training.num_nodes,
                 "numProcPerNode": cfg.training.nproc_per_node,
                 "resourcesPerNode": {"limits": dict(resources), "requests": dict(resources)} if resources else {},
                 "env": [{"name": "RESILIENT_TRAIN_LAUNCHER", "value": cfg.resilience.launcher},
+                        {"name": GENERATION_ENV, "value": str(generation)},
                         {"name": "NCCL_SOCKET_IFNAME", "value": "^lo"},
                         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}],
             },
@@ -155,13 +154,18 @@ class TrainJobLauncher:
         tmp.write_text(json.dumps(record, indent=2))
         tmp.replace(self.record_path)
 
-    def submit(self, data_dir: str) -> str:
-        """The job's name: the recorded one (re-attach), or a new job created after recording its name."""
+    def submit(self, data_dir: str, lease: RunLease | None = None) -> str:
+        """The job's name: the recorded one (re-attach), or a new job created after recording its name.
+        A recorded failure is reported again (TrainJobFailed), never resubmitted."""
         from kubernetes.client.exceptions import ApiException
 
         namespace = self.cfg.kubernetes.namespace
         record = self._record()
-        if record and record.get("state") not in ("Failed",):
+        if record and record.get("state") == "Failed":
+            raise TrainJobFailed(f"TrainJob {namespace}/{record['name']} already failed in this run "
+                                 f"({record.get('message') or 'see its logs'}); not resubmitted: fix the cause and start "
+                                 "a new pipeline run")
+        if record:
             try:
                 self.api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, record["name"])
                 log.info("re-attaching to TrainJob %s/%s", namespace, record["name"])
@@ -169,11 +173,14 @@ class TrainJobLauncher:
             except ApiException as err:
                 if err.status != 404:
                     raise InfrastructureError(f"reading TrainJob {namespace}/{record['name']}: {err.reason}") from err
-        attempt = (record["attempt"] + 1) if record and record.get("state") == "Failed" else (record or {}).get("attempt", 0)
-        job = build_trainjob(self.cfg, data_dir, attempt)
+        attempt = (record or {}).get("attempt", 0)
+        generation = lease.new_generation() if lease is not None else 1
+        job = build_trainjob(self.cfg, data_dir, attempt, generation)
         name = job["metadata"]["name"]
+        timeout, why = initial_heartbeat_timeout(self.cfg, Path(data_dir))
+        log.info("initial heartbeat timeout %.0f s: %s", timeout, why)
         self._write_record({"name": name, "namespace": namespace, "attempt": attempt, "state": "Submitting",
-                            "submitted_at": time.time()})
+                            "generation": generation, "submitted_at": time.time()})
         try:
             self.api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job, field_validation="Strict")
             log.info("created TrainJob %s/%s (%d nodes x %d processes)", namespace, name, self.cfg.training.num_nodes,
@@ -207,7 +214,8 @@ class TrainJobLauncher:
             if new_state != state:
                 log.info("TrainJob %s/%s: %s", namespace, name, new_state)
                 state = new_state
-                self._write_record({**(self._record() or {}), "name": name, "state": state})
+                self._write_record({**(self._record() or {}), "name": name, "state": state,
+                                    "message": _failure_message(job)})
             self._stream_logs(name)
             if state in ("Succeeded", "Failed"):
                 return job
@@ -237,17 +245,53 @@ class TrainJobLauncher:
         except ApiException as err:  # logs are a convenience; the job's state decides
             log.debug("logs of %s unavailable: %s", name, err.reason)
 
+    def delete(self, name: str, why: str) -> None:
+        """Delete the TrainJob (its JobSet and pods go with it: foreground propagation) so it frees its GPUs."""
+        from kubernetes.client.exceptions import ApiException
+
+        namespace = self.cfg.kubernetes.namespace
+        try:
+            self.api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                     propagation_policy="Foreground")
+            log.warning("deleted TrainJob %s/%s: %s", namespace, name, why)
+        except ApiException as err:
+            if err.status != 404:
+                raise InfrastructureError(f"deleting TrainJob {namespace}/{name}: {err.status} {err.reason}") from err
+        self._write_record({**(self._record() or {}), "name": name, "state": "Deleted", "message": why})
+
     def run(self, data_dir: str) -> dict[str, Any]:
         """Submit or re-attach, wait, and return the trainer's result.json from the shared file system."""
-        name = self.submit(data_dir)
-        job = self.wait(name)
+        with RunLease(self.cfg.run_dir) as lease, cancel_on_sigterm():
+            name = self.submit(data_dir, lease)
+            try:
+                job = self.wait(name)
+            except (JobCancelled, KeyboardInterrupt):
+                self.delete(name, "the pipeline step was cancelled")
+                raise
         if job_state(job) == "Failed":
-            message = next((c.get("message", "") for c in job.get("status", {}).get("conditions", [])
-                            if c["type"] == "Failed"), "")
-            raise TrainJobFailed(f"TrainJob {self.cfg.kubernetes.namespace}/{name} failed: {message} (logs: kubectl "
-                                 f"logs -n {self.cfg.kubernetes.namespace} -l jobset.sigs.k8s.io/jobset-name={name})")
+            raise TrainJobFailed(f"TrainJob {self.cfg.kubernetes.namespace}/{name} failed: {_failure_message(job)} "
+                                 f"(logs: kubectl logs -n {self.cfg.kubernetes.namespace} "
+                                 f"-l jobset.sigs.k8s.io/jobset-name={name})")
         result_path = self.cfg.run_dir / "result.json"
         if not result_path.is_file():
             raise InfrastructureError(f"TrainJob {name} succeeded but {result_path} is missing: is {self.cfg.kubernetes.fsx_pvc} "
                                       f"mounted at {self.cfg.fsx_root} in both the pipeline and the training pods?")
-        return {**json.loads(result_path.read_text()), "trainjob": name}
+        result = json.loads(result_path.read_text())
+        return {**result, **training_report(self.cfg.run_dir, (self._record() or {}).get("submitted_at")),
+                "trainjob": name}
+
+
+def _failure_message(job: dict[str, Any]) -> str:
+    return next((c.get("message", "") for c in job.get("status", {}).get("conditions", [])
+                 if c.get("type") == "Failed" and c.get("status") == "True"), "")
+
+
+def delete_unfinished_trainjob(cfg: Config, api) -> str | None:
+    """The exit handler's clean-up after a failed or cancelled run: delete the run's TrainJob if it is still
+    running (or queued). Returns the deleted job's name."""
+    launcher = TrainJobLauncher(cfg, api)
+    record = launcher._record()
+    if not record or record.get("state") in ("Succeeded", "Failed", "Deleted"):
+        return None
+    launcher.delete(record["name"], "the pipeline run ended without succeeding")
+    return record["name"]

@@ -167,10 +167,11 @@ def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
     except kfp_submit.SubmitError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    common = dict(experiment=args.experiment or cfg.run.experiment,
+    namespace = kfp_submit.kfp_namespace(cfg, args.namespace)
+    common = dict(experiment=args.experiment or cfg.run.experiment, namespace=namespace,
                   service_account=args.service_account or cfg.kubernetes.pipeline_service_account, dry_run=args.dry_run)
     try:
-        client = None if args.dry_run else kfp_submit.connect(args.host, args.namespace)
+        client = None if args.dry_run else kfp_submit.connect(args.host, namespace)
         if args.command == "submit":
             outcome = kfp_submit.submit(client, cfg, trigger=args.trigger, key=args.idempotency_key, **common)
         else:
@@ -180,6 +181,11 @@ def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
         return 2
     except kfp_submit.KfpUnavailable as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # the API calls after connecting can fail the same ways
+        if not kfp_submit.is_unavailable(err):
+            raise
+        print(f"error: {kfp_submit.kfp_failure(err, args.host)}", file=sys.stderr)
         return 1
     print(json.dumps(outcome, indent=2))
     return 0
@@ -261,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         sub = commands.add_parser(name, help=help_text)
         _add_config_arguments(sub)
         sub.add_argument("--host", help="KFP API endpoint (default: kfp.Client's: in-cluster or KF_PIPELINES_ENDPOINT)")
-        sub.add_argument("--namespace", help="KFP namespace (multi-user deployments)")
+        sub.add_argument("--namespace", help="KFP namespace (default: kubernetes.namespace when "
+                                             "kubernetes.kfp_mode=multi-user; none for standalone KFP)")
         sub.add_argument("--experiment", help="KFP experiment (default: the config's run.experiment)")
         sub.add_argument("--service-account", help="ServiceAccount of the run's pods "
                                                    "(default: kubernetes.pipeline_service_account)")

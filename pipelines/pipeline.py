@@ -28,7 +28,7 @@ def build_pipeline(default_config: Config):
     """A pipeline function whose config_json parameter defaults to default_config."""
     default_json = default_config.to_json()
     k8s = default_config.kubernetes
-    c = make_components(k8s.image)
+    c = make_components(k8s.pipeline_image)
 
     def on_cluster(task, kind: str, timeout_seconds: int, retries: int = 0):
         if not k8s.enabled:
@@ -55,9 +55,10 @@ def build_pipeline(default_config: Config):
             prepare = on_cluster(c.prepare_run(**common).set_display_name("prepare"), "light", 1800)
             fingerprint = on_cluster(c.fingerprint_data(config_json=config_json, overrides=overrides)
                                      .after(prepare).set_display_name("fingerprint"), "light", 1800)
-            stage = on_cluster(c.stage_data(config_json=config_json, overrides=overrides,
-                                            data_fingerprint=fingerprint.output).set_display_name("stage"),
-                               "stage", 6 * 3600, retries=k8s.step_retries)
+            # Only the fingerprint task's outputs reach the stage task: its cache key holds no per-run value.
+            stage = on_cluster(c.stage_data(stage_config=fingerprint.outputs["stage_config"],
+                                            data_fingerprint=fingerprint.outputs["fingerprint"])
+                               .set_display_name("stage"), "stage", 6 * 3600, retries=k8s.step_retries)
             stage.set_caching_options(True)
             record = on_cluster(c.record_stage(**common, dataset=stage.outputs["dataset"])
                                 .set_display_name("record stage"), "light", 1800)

@@ -16,6 +16,10 @@ The request bodies are kfp-server-api models (``V2beta1Run``, ``V2beta1Recurring
 
 Authentication comes from the environment (``KF_PIPELINES_*``, ``--host``, an in-cluster ServiceAccount
 token, or ``kfp.Client``'s credentials chain) — never from the repository.
+
+Namespaces: multi-user KFP keeps experiments, runs and recurring runs in a Profile namespace, and runs the
+pipeline's pods there; ``kubernetes.kfp_mode=multi-user`` passes ``kubernetes.namespace`` (or --namespace)
+to every call. Standalone KFP has one namespace of its own, and no namespace is passed.
 """
 
 from __future__ import annotations
@@ -69,6 +73,17 @@ def connect(host: str | None, namespace: str | None):
                               existing_token=os.environ.get("KF_PIPELINES_TOKEN") or None)
     except Exception as err:  # urllib3, requests, kfp_server_api and kfp all raise their own types here
         raise KfpUnavailable(kfp_failure(err, host)) from err
+
+
+def is_unavailable(err: Exception) -> bool:
+    """A failure to reach or to be let into the KFP API (not a bad request)."""
+    import kfp_server_api
+    import requests
+    import urllib3
+
+    if isinstance(err, (urllib3.exceptions.HTTPError, requests.exceptions.ConnectionError, ConnectionError)):
+        return True
+    return isinstance(err, kfp_server_api.ApiException) and err.status in (401, 403, 502, 503, 504)
 
 
 def kfp_failure(err: Exception, host: str | None) -> str:
@@ -170,13 +185,20 @@ def as_json(request) -> str:
     return json.dumps(kfp_server_api.ApiClient().sanitize_for_serialization(request), indent=2, sort_keys=True)
 
 
-def _experiment_id(client, name: str, create: bool) -> str | None:
+def kfp_namespace(cfg: Config, override: str | None = None) -> str | None:
+    """The namespace to pass to KFP: --namespace, else the Profile namespace in multi-user mode, else none."""
+    if override:
+        return override
+    return cfg.kubernetes.namespace if cfg.kubernetes.kfp_mode == "multi-user" else None
+
+
+def _experiment_id(client, name: str, create: bool, namespace: str | None) -> str | None:
     try:
-        return client.get_experiment(experiment_name=name).experiment_id
+        return client.get_experiment(experiment_name=name, namespace=namespace).experiment_id
     except ValueError:  # kfp.Client raises ValueError for a missing experiment
         if not create:
             return None
-        return client.create_experiment(name).experiment_id
+        return client.create_experiment(name, namespace=namespace).experiment_id
 
 
 def _by_display_name(name: str) -> str:
@@ -184,7 +206,7 @@ def _by_display_name(name: str) -> str:
 
 
 def submit(client, cfg: Config, *, experiment: str, trigger: str, key: str, service_account: str | None,
-           dry_run: bool) -> dict[str, Any]:
+           dry_run: bool, namespace: str | None = None) -> dict[str, Any]:
     run_id = idempotency_key(key)
     params = pipeline_parameters(cfg, trigger, run_id)
     with tempfile.TemporaryDirectory() as scratch:
@@ -192,9 +214,10 @@ def submit(client, cfg: Config, *, experiment: str, trigger: str, key: str, serv
         if dry_run:
             request = run_request(package, experiment_id=f"<id of experiment {experiment}>", display_name=run_id,
                                   params=params, service_account=service_account)
-            return {"action": "dry-run", "request": json.loads(as_json(request))}
-        experiment_id = _experiment_id(client, experiment, create=True)
-        existing = client.list_runs(experiment_id=experiment_id, filter=_by_display_name(run_id), page_size=1).runs
+            return {"action": "dry-run", "namespace": namespace, "request": json.loads(as_json(request))}
+        experiment_id = _experiment_id(client, experiment, create=True, namespace=namespace)
+        existing = client.list_runs(experiment_id=experiment_id, filter=_by_display_name(run_id), page_size=1,
+                                    namespace=namespace).runs
         if existing:
             return {"action": "exists", "run_id": existing[0].run_id, "display_name": run_id}
         request = run_request(package, experiment_id=experiment_id, display_name=run_id, params=params,
@@ -204,7 +227,7 @@ def submit(client, cfg: Config, *, experiment: str, trigger: str, key: str, serv
 
 
 def schedule(client, cfg: Config, *, experiment: str, name: str, cron: str, service_account: str | None,
-             disable: bool, dry_run: bool) -> dict[str, Any]:
+             disable: bool, dry_run: bool, namespace: str | None = None) -> dict[str, Any]:
     cron = validate_cron(cron)
     params = pipeline_parameters(cfg, "schedule")
     with tempfile.TemporaryDirectory() as scratch:
@@ -213,12 +236,12 @@ def schedule(client, cfg: Config, *, experiment: str, name: str, cron: str, serv
             request = recurring_run_request(package, experiment_id=f"<id of experiment {experiment}>",
                                             display_name=name, cron=cron, params=params,
                                             service_account=service_account, enabled=not disable)
-            return {"action": "dry-run", "request": json.loads(as_json(request))}
-        experiment_id = _experiment_id(client, experiment, create=not disable)
+            return {"action": "dry-run", "namespace": namespace, "request": json.loads(as_json(request))}
+        experiment_id = _experiment_id(client, experiment, create=not disable, namespace=namespace)
         existing = []
         if experiment_id is not None:
             existing = client.list_recurring_runs(experiment_id=experiment_id, filter=_by_display_name(name),
-                                                  page_size=10).recurring_runs or []
+                                                  page_size=10, namespace=namespace).recurring_runs or []
         if disable:
             for old in existing:
                 client.disable_recurring_run(old.recurring_run_id)

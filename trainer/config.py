@@ -354,11 +354,21 @@ class ResilienceConfig:
     max_restarts: int = 3
     """In-job restarts before the launcher gives up (then the job-level relaunch takes over)."""
 
-    initial_heartbeat_timeout: float = 120.0
-    """Seconds a worker may take from start to its first heartbeat (imports, model build, checkpoint load)."""
+    initial_heartbeat_timeout: float = 0.0
+    """Seconds a worker may take from start to its first heartbeat: imports, process group (NCCL across every
+    rank), model build, checkpoint load from FSx and the first step. 0 derives it from the model's
+    checkpoint size, kubernetes.fsx_throughput_mbps and the GPU count (at least 120 s; see
+    trainer.launch_args.initial_heartbeat_timeout); too short, and ft_launcher kills every resume."""
 
     heartbeat_timeout: float = 60.0
     """Seconds without a heartbeat (one per step) after which ft_launcher declares a rank hung and restarts."""
+
+    rendezvous_timeout: float = 600.0
+    """Seconds the launchers' c10d rendezvous waits for every node to join (rdzv-conf join_timeout)."""
+
+    node_health_check_endpoint: str = ""
+    """NVRx >= 0.5: a node health check service (Unix socket, e.g. /var/run/nvhcd.sock) ft_launcher asks
+    before each rendezvous; empty = none (older NVRx ignores it, saying so)."""
 
     gpu_health_interval_steps: int = 100
     """Check the GPU through NVML (ECC, retired/remapped memory, critical XIDs) every this many steps;
@@ -370,7 +380,9 @@ class ResilienceConfig:
     def __post_init__(self) -> None:
         _require(self.max_restarts >= 0, "resilience.max_restarts", "must be >= 0")
         _require(self.job_restarts >= 0, "resilience.job_restarts", "must be >= 0")
-        _require(self.initial_heartbeat_timeout > 0, "resilience.initial_heartbeat_timeout", "must be > 0")
+        _require(self.initial_heartbeat_timeout >= 0, "resilience.initial_heartbeat_timeout",
+                 "must be >= 0 (0 derives it from the checkpoint size)")
+        _require(self.rendezvous_timeout > 0, "resilience.rendezvous_timeout", "must be > 0")
         _require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
         _require(self.memory_snapshot_interval_steps >= 0, "resilience.memory_snapshot_interval_steps",
                  "must be >= 0 (0 turns the in-memory copy off)")
@@ -495,10 +507,25 @@ class KubernetesConfig:
     """Train through a TrainJob on the cluster (the launcher component) instead of on the step's machine."""
 
     namespace: str = "resilient-train"
-    """Namespace of the pipeline's pods and the TrainJobs."""
+    """Namespace of the TrainJobs (and, in multi-user KFP, of the pipeline's pods: the Profile namespace)."""
 
-    image: str = "ghcr.io/example/resilient-train:latest"
-    """Container image with this project installed (GPU: an NGC/DLC PyTorch base with NVRx >= 0.6)."""
+    kfp_mode: Literal["standalone", "multi-user"] = "multi-user"
+    """How Kubeflow Pipelines is installed: 'multi-user' runs the pipeline's pods in the Profile namespace
+    kubernetes.namespace (submit and schedule pass it); 'standalone' runs them in kubernetes.kfp_namespace."""
+
+    kfp_namespace: str = "kubeflow"
+    """Standalone KFP: the namespace it runs every pipeline pod in (where the FSx claim and the pipeline
+    ServiceAccount must exist too: manifests/components/kfp-standalone)."""
+
+    image: str = "ghcr.io/example/resilient-train-trainer:latest"
+    """Training image of the TrainJob's pods (docker/trainer.Dockerfile: NGC PyTorch + EFA + NVRx >= 0.6)."""
+
+    pipeline_image: str = "ghcr.io/example/resilient-train-pipeline:latest"
+    """Slim CPU image of the pipeline's own steps and the MLflow server (docker/pipeline.Dockerfile)."""
+
+    fsx_throughput_mbps: float = 240.0
+    """Read throughput of the FSx file system in MB/s (SCRATCH_2: 200 MB/s per TiB of capacity), used to
+    size how long a resume may take (resilience.initial_heartbeat_timeout=0)."""
 
     runtime_name: str = "resilient-train-fsdp-nvrx"
     """ClusterTrainingRuntime the TrainJob references (manifests/base/trainer)."""
@@ -546,6 +573,12 @@ class KubernetesConfig:
         _require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace) is not None and len(self.namespace) <= 63,
                  "kubernetes.namespace", "must be a DNS-1123 label")
         _require(bool(self.image.strip()), "kubernetes.image", "must not be empty")
+        _require(bool(self.pipeline_image.strip()), "kubernetes.pipeline_image", "must not be empty")
+        _require(self.kfp_mode in ("standalone", "multi-user"), "kubernetes.kfp_mode",
+                 "must be 'standalone' or 'multi-user'")
+        _require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.kfp_namespace) is not None,
+                 "kubernetes.kfp_namespace", "must be a DNS-1123 label")
+        _require(self.fsx_throughput_mbps > 0, "kubernetes.fsx_throughput_mbps", "must be > 0")
         _require(self.gpus_per_node >= 0 and self.efa_per_node >= 0, "kubernetes.gpus_per_node",
                  "GPU and EFA counts must be >= 0")
         _require(self.launcher_poll_seconds > 0, "kubernetes.launcher_poll_seconds", "must be > 0")
@@ -555,6 +588,11 @@ class KubernetesConfig:
         for item in filter(None, (t.strip() for t in self.tolerations.split(","))):
             _require(item.rsplit(":", 1)[-1] in ("NoSchedule", "PreferNoSchedule", "NoExecute") and ":" in item,
                      "kubernetes.tolerations", f"{item!r} is not key[=value]:NoSchedule|PreferNoSchedule|NoExecute")
+
+    @property
+    def pipeline_namespace(self) -> str:
+        """Where KFP runs the pipeline's pods: the Profile namespace (multi-user) or KFP's own (standalone)."""
+        return self.namespace if self.kfp_mode == "multi-user" else self.kfp_namespace
 
     @property
     def node_selector_map(self) -> dict[str, str]:

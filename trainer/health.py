@@ -17,6 +17,25 @@ log = logging.getLogger(__name__)
 NODE_BAD_XIDS = frozenset({63, 64, 94, 95})
 
 
+def efa_memlock_check(environ: dict[str, str], getrlimit=None) -> dict[str, Any] | None:
+    """With EFA (FI_PROVIDER=efa), RDMA memory registration pins NCCL's buffers, which needs an unlimited
+    memlock limit; an added IPC_LOCK capability would not help a non-root process. The container inherits the
+    limit from containerd (LimitMEMLOCK=infinity on the EKS accelerated AMIs). None without EFA; else the
+    finding, with `ok` False and what to do when the limit is too low."""
+    import resource
+
+    if environ.get("FI_PROVIDER") != "efa":
+        return None
+    soft, hard = (getrlimit or resource.getrlimit)(resource.RLIMIT_MEMLOCK)
+    ok = soft == resource.RLIM_INFINITY
+    finding = {"ok": ok, "memlock_soft": soft, "memlock_hard": hard}
+    if not ok:
+        finding["fix"] = ("the memlock limit is not unlimited, so EFA cannot register NCCL's buffers and NCCL falls "
+                          "back to TCP or fails: run the node's containerd with LimitMEMLOCK=infinity (the EKS "
+                          "accelerated AMIs do; check with `systemctl show containerd -p LimitMEMLOCK`)")
+    return finding
+
+
 def classify_xids(xids: list[int]) -> dict[str, Any]:
     bad = sorted({x for x in xids if x in NODE_BAD_XIDS})
     return {"xids": sorted(set(xids)), "node_bad": bool(bad), "node_bad_xids": bad}

@@ -71,11 +71,52 @@ def async_request(writer, plan_result: tuple, on_finalized: Callable[[], None]):
 FT_LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
 
 
-def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float, max_restarts: int) -> list[str]:
-    """Flags spelled the same in 0.4.1 and >= 0.5; timeouts always passed (their defaults differ by version)."""
-    return [f"--max-restarts={max_restarts}",
-            f"--ft-initial-rank-heartbeat-timeout={initial_heartbeat_timeout}",
-            f"--ft-rank-heartbeat-timeout={heartbeat_timeout}"]
+HEALTH_CHECK_FLAG = "--ft-node-health-check-endpoint"  # NVRx >= 0.5
+
+
+def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float, max_restarts: int,
+                      node_health_check_endpoint: str = "") -> list[str]:
+    """Flags spelled the same in 0.4.1 and >= 0.5; timeouts always passed (their defaults differ by version).
+    Flags only newer versions know are dropped at run time by `runtime_launcher_args`, where the version is."""
+    flags = [f"--max-restarts={max_restarts}",
+             f"--ft-initial-rank-heartbeat-timeout={initial_heartbeat_timeout}",
+             f"--ft-rank-heartbeat-timeout={heartbeat_timeout}"]
+    if node_health_check_endpoint:
+        flags.append(f"{HEALTH_CHECK_FLAG}={node_health_check_endpoint}")
+    return flags
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    parts = []
+    for piece in (text or "0").split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str]) -> list[str]:
+    """The launcher's arguments adjusted where it runs (trainer.launcher): flags the installed NVRx does not
+    know are dropped with a warning, and on a TrainJob node the c10d rendezvous is told explicitly whether this
+    node hosts the store (node rank 0) instead of guessing it from host names that DNS may not serve yet."""
+    import logging
+
+    args = list(args)
+    if launcher == "ft_launcher" and _version_tuple(nvrx_version()) < (0, 5):
+        kept = [a for a in args if not a.startswith(HEALTH_CHECK_FLAG)]
+        if len(kept) != len(args):
+            logging.getLogger(__name__).warning("NVRx %s has no %s: running without the node health check",
+                                                nvrx_version(), HEALTH_CHECK_FLAG)
+        args = kept
+    node_rank = environ.get("PET_NODE_RANK")
+    if node_rank is not None and "--rdzv-backend=c10d" in args:
+        is_host = f"is_host={'true' if node_rank == '0' else 'false'}"
+        for index, arg in enumerate(args):
+            if arg.startswith("--rdzv-conf="):
+                args[index] = f"{arg},{is_host}"
+                break
+        else:
+            args.append(f"--rdzv-conf={is_host}")
+    return args
 
 
 def under_ft_launcher() -> bool:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from trainer.config import Config
 from trainer.events import EventLog, read_events
-from trainer.health import GpuHealth
+from trainer.health import GpuHealth, efa_memlock_check
 from trainer.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
 
 log = logging.getLogger(__name__)
@@ -103,11 +103,15 @@ class Resilience:
         return launches[0]["time"] if launches else time.time()
 
     def start(self) -> None:
-        """Called once the process group is up: record this launch (rank 0)."""
+        """Called once the process group is up: record this launch (rank 0), check what EFA needs."""
         if self.rank == 0:
             self.events.write("launch", launcher=self.launcher, restart_iteration=self.restart_iteration,
                               job_attempt=self.job_attempt, in_process_iteration=self.in_process_iteration,
                               process_started_at=self.process_started_at)
+        memlock = efa_memlock_check(dict(os.environ))
+        if memlock is not None and not memlock["ok"]:
+            log.error("EFA: %s (memlock %s)", memlock["fix"], memlock["memlock_soft"])
+            self.events.write("efa_memlock", **memlock)
 
     def memory_snapshot_step(self) -> int | None:
         """Collective under in-process restart: the step of the in-memory copy all ranks agree on, else None."""

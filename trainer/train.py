@@ -272,7 +272,7 @@ class Trainer:
                                  if self.checkpointer.enabled else None),
                   "world_size": self.world_size,
                   "num_parameters": sum(p.numel() for p in self.model.parameters()),
-                  "metrics_file": str(self.metrics_path)}
+                  "metrics_file": str(self.metrics_path), "finished_at": time.time()}
         if self.rank == 0:
             _atomic_write_json(self.cfg.run_dir / "result.json", result)
         return result

@@ -13,7 +13,7 @@ from pipelines.pipeline import build_pipeline
 from trainer.config import load_config
 
 GOLDEN = Path(__file__).parents[1] / "golden"
-CONFIGS = {"local": "local", "eks": "pipelines/configs/eks-example.yaml"}
+CONFIGS = {"local": "local", "eks": "pipelines/configs/eks-prod.yaml"}
 
 
 def compile_to(tmp_path, name):
@@ -44,7 +44,7 @@ def test_dag_caching_and_exit_handler(tmp_path):
                           "validate-checkpoint", "evaluate-model"}
     cached = {name for name, task in inner.items() if task.get("cachingOptions", {}).get("enableCache")}
     assert cached == {"stage-data"}  # keyed by the data fingerprint; training never cached
-    assert set(inner["stage-data"]["inputs"]["parameters"]) == {"config_json", "overrides", "data_fingerprint"}
+    assert set(inner["stage-data"]["inputs"]["parameters"]) == {"stage_config", "data_fingerprint"}
     assert inner["train-model"]["dependentTasks"] == ["record-stage"]
     defaults = spec["root"]["inputDefinitions"]["parameters"]
     assert json.loads(defaults["config_json"]["defaultValue"])["model"]["preset"] == "tiny"
@@ -65,6 +65,6 @@ def test_cluster_settings_retries_and_image(tmp_path):
         assert executor["secretAsEnv"][0]["secretName"] == "mlflow-credentials" and executor["secretAsEnv"][0]["optional"]
     assert executors["exec-train-model"]["activeDeadlineSeconds"] == str(259200 + 3600)
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
-    assert images == {"123456789012.dkr.ecr.us-east-1.amazonaws.com/resilient-train:0.1.0"}
+    assert images == {"123456789012.dkr.ecr.us-east-1.amazonaws.com/resilient-train-pipeline:0.1.0"}  # CPU image
     resources = spec["deploymentSpec"]["executors"]["exec-validate-checkpoint"]["container"]["resources"]
     assert resources["memoryRequest"] == pytest.approx(103.079215104)  # 96Gi, in GB as KFP stores it

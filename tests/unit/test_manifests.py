@@ -118,9 +118,7 @@ def test_pod_security_everywhere(built):
             context = container["securityContext"]
             assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
             assert context["capabilities"]["drop"] == ["ALL"]
-            added = context["capabilities"].get("add", [])
-            # EFA (prod) is the one documented exception: IPC_LOCK for RDMA memory registration.
-            assert added == (["IPC_LOCK"] if (name == "prod" and obj["kind"] == "ClusterTrainingRuntime") else [])
+            assert context["capabilities"].get("add", []) == []  # EFA needs memlock, not IPC_LOCK
             resources = container["resources"]
             assert resources["requests"] and resources["limits"], container["name"]
     text = yaml.safe_dump_all(objects)
@@ -145,7 +143,7 @@ def test_the_launchers_trainjob_matches_the_runtime():
     from components.trainjob import build_trainjob
     from trainer.config import load_config
 
-    cfg = load_config("pipelines/configs/eks-example.yaml", ["--run.run_id=x"])
+    cfg = load_config("pipelines/configs/eks-prod.yaml", ["--run.run_id=x"])
     job = build_trainjob(cfg, "/fsx/datasets/v1")
     objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(kustomize(MANIFESTS / "overlays" / "prod")) if o}
     assert ("ClusterTrainingRuntime", job["spec"]["runtimeRef"]["name"]) in objects

@@ -1,9 +1,11 @@
 """submit / schedule against a stand-in for the KFP API (the backend cannot exist here): every body sent
 is a kfp-server-api model and round-trips through the generated client's own (de)serializer."""
 
+import inspect
 import json
 from types import SimpleNamespace
 
+import kfp
 import kfp_server_api
 import pytest
 
@@ -11,7 +13,7 @@ from pipelines.cli import main
 from pipelines.submit import SubmitError, schedule, submit, validate_cron
 from trainer.config import load_config
 
-EKS = "pipelines/configs/eks-example.yaml"
+EKS = "pipelines/configs/eks-prod.yaml"
 
 
 def roundtrip(body, model: str):
@@ -24,24 +26,42 @@ def roundtrip(body, model: str):
 
 
 class FakeKfp:
+    """Every public call is bound to the real kfp.Client method's signature first (a call the real client
+    would reject fails here), and the namespaces it is given are recorded."""
+
     def __init__(self):
         self.runs, self.recurring, self.disabled, self.deleted = [], [], [], []
+        self.namespaces = []
         self._run_api = SimpleNamespace(run_service_create_run=self._create_run)
         self._recurring_run_api = SimpleNamespace(recurring_run_service_create_recurring_run=self._create_recurring)
 
-    def get_experiment(self, experiment_name):
+    def __getattribute__(self, name):
+        attribute = object.__getattribute__(self, name)
+        if name.startswith("_") or not callable(attribute) or not hasattr(kfp.Client, name):
+            return attribute
+        real = inspect.signature(getattr(kfp.Client, name))
+
+        def checked(*args, **kwargs):
+            bound = real.bind(None, *args, **kwargs)
+            if "namespace" in real.parameters:
+                object.__getattribute__(self, "namespaces").append(bound.arguments.get("namespace"))
+            return attribute(*args, **kwargs)
+
+        return checked
+
+    def get_experiment(self, experiment_name, namespace=None):
         if experiment_name != "resilient-train":
             raise ValueError("no experiment")
         return SimpleNamespace(experiment_id="exp-1")
 
-    def create_experiment(self, name):
+    def create_experiment(self, name, namespace=None):
         return SimpleNamespace(experiment_id="exp-new")
 
     def _matching(self, items, filter):
         name = json.loads(filter)["predicates"][0]["string_value"]
         return [item for item in items if item.display_name == name]
 
-    def list_runs(self, experiment_id, filter, page_size):
+    def list_runs(self, experiment_id, filter, page_size, namespace=None):
         return SimpleNamespace(runs=self._matching(self.runs, filter))
 
     def _create_run(self, run):
@@ -51,7 +71,7 @@ class FakeKfp:
         self.runs.append(run)
         return run
 
-    def list_recurring_runs(self, experiment_id, filter, page_size):
+    def list_recurring_runs(self, experiment_id, filter, page_size, namespace=None):
         return SimpleNamespace(recurring_runs=[r for r in self._matching(self.recurring, filter)
                                                if r.recurring_run_id not in self.deleted])
 
@@ -169,3 +189,19 @@ def test_an_unreachable_kfp_endpoint_is_one_clear_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: cannot reach the KFP API at {host}")
     assert "Check --host" in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("config, namespace", [("pipelines/configs/eks-prod.yaml", "resilient-train"),
+                                               ("pipelines/configs/eks-dev.yaml", None)])
+def test_every_kfp_call_carries_the_profile_namespace_in_multi_user_mode(monkeypatch, capsys, config, namespace):
+    """Multi-user KFP keeps experiments, runs and recurring runs per Profile namespace (kfp.Client's
+    namespace arguments); standalone KFP has none."""
+    from pipelines import submit as kfp_submit
+
+    fake = FakeKfp()
+    connected = []
+    monkeypatch.setattr(kfp_submit, "connect", lambda host, ns: connected.append(ns) or fake)
+    assert main(["submit", "--config", config, "--idempotency-key", "retrain-1", "--host", "http://kfp"]) == 0
+    assert main(["schedule", "--config", config, "--name", "nightly", "--host", "http://kfp"]) == 0
+    assert connected == [namespace, namespace]
+    assert fake.namespaces and set(fake.namespaces) == {namespace}

@@ -12,7 +12,7 @@ from components.trainjob import (EXIT_INFRASTRUCTURE, InfrastructureError, Train
 from tests.crd_schema import crd_errors
 from trainer.config import load_config
 
-EKS = "pipelines/configs/eks-example.yaml"
+EKS = "pipelines/configs/eks-prod.yaml"
 
 
 @pytest.fixture
@@ -28,7 +28,8 @@ def test_the_trainjob_validates_strictly_against_the_crd(cfg):
     assert spec["trainer"]["numNodes"] == 8 and spec["trainer"]["numProcPerNode"] == 8
     assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
     command = spec["trainer"]["command"]
-    assert command[0] == "ft_launcher" and "--nproc-per-node=8" in command and "--max-restarts=3" in command
+    assert command[:4] == ["python", "-m", "trainer.launcher", "ft_launcher"]
+    assert "--nproc-per-node=8" in command and "--max-restarts=3" in command
     assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in command
     assert command[command.index("--config") + 1] == str(cfg.run_dir / "config.yaml")
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "resilient-train"
@@ -109,7 +110,9 @@ def test_a_job_created_before_the_pod_died_is_adopted(cfg):
     assert TrainJobLauncher(cfg, api).submit("/d") == name and api.creates == []
 
 
-def test_a_failed_job_is_a_training_failure_and_a_rerun_gets_a_new_attempt(cfg):
+def test_a_failed_job_is_reported_again_by_a_retried_launcher_never_resubmitted(cfg):
+    """KFP's retries cannot filter by exit code: the launcher itself refuses to spend GPUs on a job that
+    JobSet and ft_launcher already gave up on."""
     api = FakeCustomObjects(states=("Failed",))
     launcher = TrainJobLauncher(cfg, api, sleep=lambda s: None)
     with pytest.raises(TrainJobFailed, match="failed: job failed") as failure:
@@ -117,8 +120,70 @@ def test_a_failed_job_is_a_training_failure_and_a_rerun_gets_a_new_attempt(cfg):
     assert failure.value.exit_code == 1
     api.states = ["Complete"]
     finish(cfg)
-    TrainJobLauncher(cfg, api, sleep=lambda s: None).run("/d")
-    assert [n[-3:] for n in api.creates] == ["-a0", "-a1"]
+    with pytest.raises(TrainJobFailed, match="already failed in this run .*not resubmitted"):
+        TrainJobLauncher(cfg, api, sleep=lambda s: None).run("/d")  # KFP's retry of the step
+    assert len(api.creates) == 1
+
+
+def test_a_cancelled_step_deletes_its_trainjob_and_so_does_the_exit_handler(cfg):
+    from components.train import JobCancelled
+    from components.trainjob import delete_unfinished_trainjob
+
+    class Cancelling(FakeCustomObjects):
+        deleted = []
+
+        def get_namespaced_custom_object(self, *args):
+            job = super().get_namespaced_custom_object(*args)
+            raise JobCancelled("SIGTERM")  # KFP cancelled the run while the launcher was waiting
+
+        def delete_namespaced_custom_object(self, group, version, namespace, plural, name, propagation_policy=None):
+            assert propagation_policy == "Foreground"  # the JobSet and its pods go with it
+            self.deleted.append(name)
+
+    api = Cancelling(states=("Running",))
+    with pytest.raises(JobCancelled):
+        TrainJobLauncher(cfg, api, sleep=lambda s: None).run("/d")
+    assert api.deleted == api.creates and json.loads((cfg.run_dir / "steps" / "trainjob.json").read_text())[
+        "state"] == "Deleted"
+
+    # The launcher pod died hard instead (no SIGTERM handler ran): the exit handler finds the job running.
+    api = Cancelling(states=("Running",))
+    launcher = TrainJobLauncher(cfg, api)
+    (cfg.run_dir / "steps" / "trainjob.json").unlink()
+    name = launcher.submit("/d")
+    assert delete_unfinished_trainjob(cfg, api) == name and api.deleted[-1] == name
+    assert delete_unfinished_trainjob(cfg, api) is None  # already deleted: nothing to do
+
+
+def test_each_new_job_runs_under_a_new_lease_generation_and_a_reattach_keeps_it(cfg):
+    from trainer.lease import GENERATION_ENV, RunLease, read_lease
+
+    api = FakeCustomObjects(states=("Running",))
+    with RunLease(cfg.run_dir) as lease:
+        name = TrainJobLauncher(cfg, api).submit("/d", lease)
+        again = TrainJobLauncher(cfg, api).submit("/d", lease)
+    assert name == again and read_lease(cfg.run_dir)["generation"] == 1
+    env = {e["name"]: e["value"] for e in api.objects[name]["spec"]["trainer"]["env"]}
+    assert env[GENERATION_ENV] == "1"
+
+
+def test_goodput_on_the_cluster_comes_from_the_run_folder(cfg):
+    """The same computation as on one machine (components.train.training_report), not 0.0."""
+    from trainer.events import EventLog
+
+    api = FakeCustomObjects(states=("Complete",))
+    launcher = TrainJobLauncher(cfg, api, sleep=lambda s: None)
+    submitted = launcher.submit("/d") and json.loads((cfg.run_dir / "steps" / "trainjob.json").read_text())["submitted_at"]
+    EventLog(cfg.run_dir, 0).write("recovery", mechanism="ft_launcher", lost_steps=3, recovery_seconds=20.0)
+    with (cfg.run_dir / "metrics.jsonl").open("w") as metrics:
+        for step in range(1, 11):
+            metrics.write(json.dumps({"step": step, "loss": 1.0, "step_seconds": 6.0}) + "\n")
+    (cfg.run_dir / "result.json").write_text(json.dumps({"steps": 10, "final_loss": 1.5,
+                                                         "finished_at": submitted + 100.0}))
+    result = launcher.run("/d")
+    assert result["goodput"] == pytest.approx(60.0 / 100.0)
+    assert result["recovery_totals"] == {"recoveries": 1, "lost_steps": 3, "recovery_seconds_total": 20.0,
+                                         "recoveries_ft_launcher": 1}
 
 
 def test_infrastructure_errors_are_distinct(cfg):

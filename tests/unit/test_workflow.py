@@ -23,10 +23,56 @@ def test_retraining_is_submitted_on_dispatch_tags_and_data_changes():
     jobs = workflow["jobs"]
     assert "bash .ci/run" in jobs["test"]["steps"][-1]["run"]
     retrain = jobs["retrain"]
-    assert retrain["needs"] == "compile" and "workflow_dispatch" in retrain["if"] and "refs/tags/v" in retrain["if"]
+    assert set(retrain["needs"]) == {"compile", "images"}
+    assert "workflow_dispatch" in jobs["images"]["if"] and "refs/tags/v" in jobs["images"]["if"]
     submit = retrain["steps"][-1]["run"]
     assert "pipelines submit" in submit and "--trigger ci" in submit and "--idempotency-key" in submit
     assert workflow["permissions"]["id-token"] == "write"  # OIDC, not stored keys
+
+
+def test_the_submitted_run_uses_the_images_built_from_this_commit_by_digest():
+    """A tag can move; a digest cannot: the compiled code and the images it runs stay the same commit."""
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    images = workflow["jobs"]["images"]
+    built = {step["with"]["file"] for step in images["steps"] if "docker/build-push-action" in step.get("uses", "")}
+    assert built == {"docker/pipeline.Dockerfile", "docker/trainer.Dockerfile"}
+    outputs = " ".join(step.get("run", "") for step in images["steps"])
+    assert outputs.count("@$DIGEST") == 2
+    retrain = workflow["jobs"]["retrain"]
+    assert retrain["env"]["TRAINER_IMAGE"] == "${{ needs.images.outputs.trainer }}"
+    submit = retrain["steps"][-1]["run"]
+    assert '--kubernetes.image=$TRAINER_IMAGE' in submit and '--kubernetes.pipeline_image=$PIPELINE_IMAGE' in submit
+
+
+def test_a_rerun_of_the_workflow_submits_nothing_new():
+    """GitHub's "Re-run" keeps github.run_id and bumps run_attempt: the key must not include the attempt."""
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    retrain = workflow["jobs"]["retrain"]
+    submit = retrain["steps"][-1]["run"]
+    assert '--idempotency-key "gh-$RUN_ID"' in submit
+    assert "RUN_ATTEMPT" not in submit and "run_attempt" not in WORKFLOW.read_text()
+
+
+def test_kfp_is_reached_through_the_cluster_with_the_oidc_role():
+    """KFP's API is VPC-internal; a GitHub-hosted runner reaches it through the EKS API server (port-forward)
+    with the role it assumed, and authenticates with a short-lived ServiceAccount token."""
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    steps = workflow["jobs"]["retrain"]["steps"]
+    names = [step.get("uses", step.get("name", "")) for step in steps]
+    assume = names.index("aws-actions/configure-aws-credentials@v4")
+    [reach] = [i for i, step in enumerate(steps) if "port-forward" in step.get("run", "")]
+    assert assume < reach < len(steps) - 1
+    script = steps[reach]["run"]
+    assert "aws eks update-kubeconfig" in script and "svc/ml-pipeline" in script
+    assert "create token resilient-train-ci" in script and "::add-mask::" in script
+    assert "--host http://127.0.0.1:8888" in steps[-1]["run"]
+
+
+def test_a_config_with_placeholders_is_never_submitted():
+    env = {"PATH": os.environ["PATH"], "CONFIG": "pipelines/configs/eks-prod.yaml", "REQUIRE_CLUSTER_VALUES": "1"}
+    proc = subprocess.run(["bash", str(CHECK_INPUTS)], env=env, cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and "placeholder" in proc.stderr
+    assert yaml.safe_load(WORKFLOW.read_text())["jobs"]["retrain"]["env"]["REQUIRE_CLUSTER_VALUES"] == "1"
 
 
 def test_no_credentials_in_the_repository():
@@ -65,5 +111,5 @@ def test_hostile_inputs_are_refused_and_never_run(tmp_path, variable, value):
 
 
 def test_good_inputs_pass():
-    env = {"PATH": os.environ["PATH"], "CONFIG": "pipelines/configs/eks-example.yaml", "DATA_VERSION": "v2026.11"}
+    env = {"PATH": os.environ["PATH"], "CONFIG": "pipelines/configs/eks-prod.yaml", "DATA_VERSION": "v2026.11"}
     assert subprocess.run(["bash", str(CHECK_INPUTS)], env=env, cwd=REPO).returncode == 0

@@ -1,0 +1,329 @@
+"""What a real EKS cluster would refuse, encoded as its own rules (each test cites where the rule comes
+from), for each overlay with the config that targets it: pipelines/configs/eks-<overlay>.yaml.
+
+Schemas prove shape; these prove that the first `submit` can run: the pipeline's ServiceAccount has what
+Kubeflow Pipelines and the launcher need where they need it, every pod passes its namespace's Pod Security
+level, the FSx roots are writable by the uid the pods run as, MLflow answers the URI the config uses, Kueue
+manages TrainJobs, and preemption does not spend the JobSet's restarts.
+"""
+
+import re
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from components.trainjob import build_trainjob
+from tests.kube import MANIFESTS, ROOT, build, grants, pod_templates
+from tests.pod_security import violations
+from trainer.config import load_config
+
+OVERLAYS = ["dev", "prod"]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def cluster(request):
+    """(overlay name, its built objects, the EKS config that targets it)."""
+    cfg = load_config(ROOT / "pipelines" / "configs" / f"eks-{request.param}.yaml", ["--run.run_id=first-run"])
+    return request.param, build(MANIFESTS / "overlays" / request.param), cfg
+
+
+def one(objects, kind, name, namespace=None):
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name
+             and (namespace is None or o["metadata"].get("namespace") == namespace)]
+    assert len(found) == 1, f"{kind} {namespace}/{name}: {len(found)} found"
+    return found[0]
+
+
+def runtime_pod(objects):
+    runtime = one(objects, "ClusterTrainingRuntime", "resilient-train-fsdp-nvrx")
+    return runtime, runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+
+
+# -- 1. KFP's namespace and ServiceAccount --------------------------------------------------------------
+
+# What KFP v2 needs of a run's ServiceAccount in the namespace its pods run in: the driver reads the
+# `kfp-launcher` ConfigMap and the object-store Secret and lists the run's pods; the launcher and Argo's
+# executor report through workflowtaskresults and read pods and logs. Source: kubeflow/pipelines
+# manifests/kustomize/base/pipeline/pipeline-runner-role.yaml (Role pipeline-runner) and, in the same file,
+# ml-pipeline-executor-plugin-role; Argo Workflows docs, "Workflow RBAC" (executor: workflowtaskresults
+# create, patch).
+KFP_RUN_NEEDS = [("", "configmaps", "get"), ("", "configmaps", "list"), ("", "configmaps", "watch"),
+                 ("", "secrets", "get"), ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch"),
+                 ("", "pods/log", "get"), ("argoproj.io", "workflowtaskresults", "create"),
+                 ("argoproj.io", "workflowtaskresults", "patch")]
+# What the TrainJob launcher (components/trainjob.py) does in the training namespace, and cluster-wide.
+LAUNCHER_NEEDS = [("trainer.kubeflow.org", "trainjobs", verb) for verb in ("create", "get", "list", "watch", "delete")] + [
+    ("", "pods", "list"), ("", "pods/log", "get")]
+
+
+def test_the_pipeline_service_account_has_what_kfp_and_the_launcher_need_where_they_need_it(cluster):
+    name, objects, cfg = cluster
+    k8s = cfg.kubernetes
+    pipeline_ns = k8s.pipeline_namespace
+    assert pipeline_ns == ("kubeflow" if name == "dev" else "resilient-train")  # standalone / multi-user
+    account = one(objects, "ServiceAccount", k8s.pipeline_service_account, pipeline_ns)
+    assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].startswith("arn:aws:iam::")
+    granted = grants(objects, k8s.pipeline_service_account, pipeline_ns)
+    missing = [need for need in KFP_RUN_NEEDS if (pipeline_ns, *need) not in granted]
+    missing += [need for need in LAUNCHER_NEEDS if (k8s.namespace, *need) not in granted]
+    missing += [need for need in [("trainer.kubeflow.org", "clustertrainingruntimes", "get")] if ("*", *need) not in granted]
+    assert missing == [], f"{name}: the pipeline ServiceAccount cannot {missing}"
+    assert not any(verb == "*" or resource == "*" for _, _, resource, verb in granted)  # least privilege
+    # The FSx claim the steps mount must exist where the steps run, and where the trainers run.
+    one(objects, "PersistentVolumeClaim", k8s.fsx_pvc, pipeline_ns)
+    one(objects, "PersistentVolumeClaim", k8s.fsx_pvc, k8s.namespace)
+
+
+def test_submit_and_schedule_pass_the_profile_namespace_in_multi_user_mode_only():
+    from pipelines.submit import kfp_namespace
+
+    prod = load_config(ROOT / "pipelines/configs/eks-prod.yaml")
+    dev = load_config(ROOT / "pipelines/configs/eks-dev.yaml")
+    assert kfp_namespace(prod) == "resilient-train" and kfp_namespace(dev) is None
+    assert kfp_namespace(dev, "other") == "other"
+
+
+# -- 2. Pod Security Admission ----------------------------------------------------------------------------
+
+def test_every_pod_template_passes_the_pod_security_level_its_namespace_enforces(cluster):
+    """Pod Security Admission rejects at creation a pod that breaks its namespace's enforced level
+    (pod-security.kubernetes.io/enforce; Kubernetes docs, "Pod Security Admission"). IPC_LOCK, for one, is
+    not in Baseline's capability list: pods that add it are never created."""
+    name, objects, cfg = cluster
+    levels = {o["metadata"]["name"]: o["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+              for o in objects if o["kind"] == "Namespace"}
+    assert levels == {"resilient-train": "baseline"}
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    checked = 0
+    for obj, namespace, pod in pod_templates(objects):
+        if obj["kind"] == "ClusterTrainingRuntime":  # its pods run where the TrainJob is, with the launcher's patch
+            namespace = cfg.kubernetes.namespace
+            pod = {**pod, "volumes": [*pod["volumes"], *patch["volumes"]]}
+        level = levels.get(namespace, "baseline")
+        assert violations(pod, level) == [], (name, obj["kind"], obj["metadata"]["name"])
+        checked += 1
+    assert checked == 3  # the runtime, MLflow, fsx-prepare
+
+
+def test_long_running_pods_meet_restricted_and_only_the_preparation_runs_as_root(cluster):
+    _, objects, _ = cluster
+    for obj, _, pod in pod_templates(objects):
+        problems = violations(pod, "restricted")
+        if obj["metadata"]["name"] == "fsx-prepare":
+            assert problems and all("non-root" in p or "CHOWN" in p or "FOWNER" in p for p in problems), problems
+        else:
+            assert problems == [], (obj["kind"], problems)
+
+
+def test_the_checker_refuses_what_admission_refuses():
+    pod = {"containers": [{"name": "c", "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}],
+           "volumes": [{"name": "h", "hostPath": {"path": "/"}}]}
+    assert any("IPC_LOCK" in p for p in violations(pod, "baseline"))
+    assert any("hostPath" in p for p in violations(pod, "baseline"))
+    assert violations({"containers": [{"name": "c"}]}, "baseline") == []
+    assert len(violations({"containers": [{"name": "c"}]}, "restricted")) == 4
+
+
+def test_efa_memlock_is_checked_at_start_instead_of_a_capability():
+    import resource
+
+    from trainer.health import efa_memlock_check
+
+    assert efa_memlock_check({}) is None
+    unlimited = efa_memlock_check({"FI_PROVIDER": "efa"},
+                                  getrlimit=lambda r: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert unlimited["ok"] is True
+    limited = efa_memlock_check({"FI_PROVIDER": "efa"}, getrlimit=lambda r: (65536, 65536))
+    assert limited["ok"] is False and "LimitMEMLOCK=infinity" in limited["fix"]
+
+
+# -- 3. FSx write permissions -----------------------------------------------------------------------------
+
+def test_the_fsx_roots_the_pipeline_writes_are_prepared_for_the_uid_its_pods_run_as(cluster):
+    """FSx's root and DRA-imported data without POSIX metadata are root-owned (FSx for Lustre User Guide,
+    "POSIX metadata support for data repositories"); the CSI driver does not apply fsGroup to this volume. The
+    preparation Job must create, as root, exactly the folders the config writes below, for the uid and gid
+    the pods run as."""
+    _, objects, cfg = cluster
+    job = one(objects, "Job", "fsx-prepare", cfg.kubernetes.namespace)
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == "fsx"]
+    assert {"name": "fsx", "persistentVolumeClaim": {"claimName": cfg.kubernetes.fsx_pvc}} in pod["volumes"]
+    assert mount["mountPath"] == env["FSX_ROOT"] == str(cfg.fsx_root)
+    script = container["args"][0]
+    for folder in (cfg.run_dir.parent, cfg.dataset_dir.parent):  # runs/, datasets/
+        assert f"$FSX_ROOT/{folder.relative_to(cfg.fsx_root)}" in script
+    assert 'chown "$APP_UID:$APP_GID"' in script and "chmod 2775" in script
+    _, trainer_pod = runtime_pod(objects)
+    assert (env["APP_UID"], env["APP_GID"]) == (str(trainer_pod["securityContext"]["runAsUser"]),
+                                                str(trainer_pod["securityContext"]["runAsGroup"]))
+    for dockerfile in ("pipeline.Dockerfile", "trainer.Dockerfile"):
+        assert re.search(rf"^USER {env['APP_UID']}$", (ROOT / "docker" / dockerfile).read_text(), re.M), dockerfile
+    assert pod["securityContext"]["runAsUser"] == 0
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+
+
+def test_an_fsx_root_the_pipeline_cannot_write_says_how_to_prepare_it(tmp_path, monkeypatch):
+    """What uid 10001 meets on an unprepared FSx root: EACCES from mkdir (simulated: tests may run as root)."""
+    import pathlib
+
+    from components.stage import StageError, stage_dataset
+    from components.steps import RunFolderError, prepare_step
+
+    cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=denied"])
+    real_mkdir = pathlib.Path.mkdir
+
+    def denied(self, *args, **kwargs):
+        if self.is_relative_to(cfg.fsx_root):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", denied)
+    with pytest.raises(RunFolderError, match=r"cannot create .*/runs/denied as uid \d+.*fsx-prepare"):
+        prepare_step(cfg)
+    with pytest.raises(StageError, match=r"cannot create .*datasets/demo as uid \d+.*fsx-prepare"):
+        stage_dataset(cfg.data, cfg.dataset_dir, cfg.fsx_root)
+
+
+# -- 6. MLflow reachability -------------------------------------------------------------------------------
+
+def test_the_tracking_uri_is_the_service_the_overlay_builds_and_an_allowed_host(cluster):
+    """MLflow >= 3.5 refuses requests whose Host header is not in --allowed-hosts (localhost and private IPs
+    by default; /health is exempt, so probes stay green): mlflow/server/security_utils.py,
+    is_allowed_host_header and get_default_allowed_hosts, used here as the server uses them."""
+    from mlflow.server.security_utils import get_default_allowed_hosts, is_allowed_host_header
+
+    name, objects, cfg = cluster
+    uri = urlparse(cfg.mlflow.tracking_uri)
+    service_name, namespace, *rest = uri.hostname.split(".")
+    assert rest in ([], ["svc"], ["svc", "cluster", "local"]), uri.hostname
+    service = one(objects, "Service", service_name, namespace)
+    assert uri.port in [p["port"] for p in service["spec"]["ports"]]
+    deployment = one(objects, "Deployment", "mlflow", namespace)
+    args = " ".join(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    allowed = re.search(r'--allowed-hosts "([^"]+)"', args).group(1).split(",")
+    host_header = uri.netloc  # what the MLflow client (requests) sends for a non-default port
+    assert is_allowed_host_header(allowed, host_header), (host_header, allowed)
+    assert not is_allowed_host_header(get_default_allowed_hosts(), host_header)  # without the flag: refused
+    policy = one(objects, "NetworkPolicy", "mlflow", namespace)
+    sources = policy["spec"]["ingress"][0]["from"]
+    pipeline_ns = cfg.kubernetes.pipeline_namespace
+    assert {"podSelector": {}} in sources if pipeline_ns == namespace else \
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": pipeline_ns}}} in sources
+
+
+# -- 7. NVRx and JobSet at scale ---------------------------------------------------------------------------
+
+def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
+    from trainer.launch_args import initial_heartbeat_timeout, parameter_count
+
+    _, _, cfg = cluster
+    seconds, why = initial_heartbeat_timeout(cfg)
+    resume = parameter_count(cfg.model.preset, 258) * 12 / (cfg.kubernetes.fsx_throughput_mbps * 1e6)
+    assert seconds >= resume + 60 and seconds >= 120, why
+    command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
+    assert f"--ft-initial-rank-heartbeat-timeout={seconds}" in command
+    assert any(a.startswith("--rdzv-conf=join_timeout=") for a in command)
+    assert command[:4] == ["python", "-m", "trainer.launcher", "ft_launcher"]
+
+
+def test_node_rank_0_hosts_the_rendezvous_explicitly_and_unknown_flags_are_dropped_for_old_nvrx(monkeypatch):
+    from trainer import nvrx_compat
+
+    args = ["--max-restarts=3", "--ft-node-health-check-endpoint=/var/run/nvhcd.sock", "--rdzv-backend=c10d",
+            "--rdzv-conf=join_timeout=600", "-m", "trainer"]
+    monkeypatch.setattr(nvrx_compat, "nvrx_version", lambda: "0.4.1")
+    old = nvrx_compat.runtime_launcher_args("ft_launcher", args, {"PET_NODE_RANK": "0"})
+    assert "--ft-node-health-check-endpoint=/var/run/nvhcd.sock" not in old
+    assert "--rdzv-conf=join_timeout=600,is_host=true" in old
+    monkeypatch.setattr(nvrx_compat, "nvrx_version", lambda: "0.7.0")
+    new = nvrx_compat.runtime_launcher_args("ft_launcher", args, {"PET_NODE_RANK": "3"})
+    assert "--ft-node-health-check-endpoint=/var/run/nvhcd.sock" in new
+    assert "--rdzv-conf=join_timeout=600,is_host=false" in new
+    assert nvrx_compat.runtime_launcher_args("ft_launcher", ["--standalone"], {}) == ["--standalone"]
+
+
+# The message the Job controller writes when a podFailurePolicy rule matches a pod condition, and the
+# reason: kubernetes pkg/controller/job/pod_failure_policy.go ("Pod %s/%s has condition %v matching %v rule
+# at index %d") and batch/v1 JobReasonPodFailurePolicy ("PodFailurePolicy").
+JOB_FAILURE_MESSAGE = "Pod resilient-train/rt-x-node-0-3-abcde has condition DisruptionTarget matching FailJob rule at index 0"
+JOB_FAILURE_REASON = "PodFailurePolicy"
+
+
+def test_preemption_and_eviction_do_not_spend_the_jobsets_restarts(cluster):
+    _, objects, _ = cluster
+    runtime, _ = runtime_pod(objects)
+    policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
+    assert policy["restartStrategy"] == "BlockingRecreate"  # no two generations on FSx at once
+    [rule] = policy["rules"]
+    assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
+    assert JOB_FAILURE_REASON in rule["onJobFailureReasons"]
+    assert any(re.fullmatch(pattern, JOB_FAILURE_MESSAGE) for pattern in rule["onJobFailureMessagePatterns"])
+    job_spec = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]} in job_spec["podFailurePolicy"]["rules"]
+    assert job_spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
+
+
+# -- 10. Kueue, caching, one config per overlay ------------------------------------------------------------
+
+def test_kueue_is_configured_to_manage_trainjobs():
+    """Kueue manages a TrainJob only when its Configuration lists the integration, whose name is
+    "trainer.kubeflow.org/trainjob" (kubernetes-sigs/kueue pkg/controller/jobs/trainjob/
+    trainjob_controller.go, FrameworkName); the Configuration is read from ConfigMap kueue-manager-config,
+    key controller_manager_config.yaml, in kueue-system, API config.kueue.x-k8s.io/v1beta2 (Kueue >= 0.15)."""
+    [configmap] = build(MANIFESTS / "kueue-config")
+    assert (configmap["metadata"]["name"], configmap["metadata"]["namespace"]) == ("kueue-manager-config", "kueue-system")
+    configuration = yaml.safe_load(configmap["data"]["controller_manager_config.yaml"])
+    assert configuration["apiVersion"] == "config.kueue.x-k8s.io/v1beta2" and configuration["kind"] == "Configuration"
+    assert "trainer.kubeflow.org/trainjob" in configuration["integrations"]["frameworks"]
+    assert configuration["manageJobsWithoutQueueName"] is False  # fsx-prepare and KFP's pods are not queued
+    assert configuration["waitForPodsReady"]["enable"] is True
+
+
+def test_the_stage_tasks_cache_key_holds_no_per_run_value():
+    """KFP's cache key is the task's component spec and its input values: the stage task must get nothing
+    that differs between runs over the same data (run id, trigger) — submit adds run.run_id to overrides."""
+    import json
+
+    from components.steps import staging_config_json
+
+    ir = next(yaml.safe_load_all((ROOT / "tests" / "golden" / "pipeline-eks.yaml").read_text()))
+    dag = ir["root"]["dag"]["tasks"]["exit-handler-1"]
+    stage = ir["components"][dag["componentRef"]["name"]]["dag"]["tasks"]["stage-data"]
+    inputs = stage["inputs"]["parameters"]
+    assert all("taskOutputParameter" in value and value["taskOutputParameter"]["producerTask"] == "fingerprint-data"
+               for value in inputs.values()), inputs
+    prod = ROOT / "pipelines" / "configs" / "eks-prod.yaml"
+    one_run = load_config(prod, ["--run.run_id=a", "--run.trigger=ci", "--training.lr=1e-4"])
+    another = load_config(prod, ["--run.run_id=b", "--run.trigger=schedule"])
+    assert staging_config_json(one_run) == staging_config_json(another)
+    assert json.loads(staging_config_json(one_run))["data"]["s3_uri"] == one_run.data.s3_uri
+    assert staging_config_json(load_config(prod, ["--data.s3_uri=s3://other-bucket/x"])) != staging_config_json(another)
+
+
+def test_each_overlay_has_a_config_that_matches_what_it_builds(cluster):
+    name, objects, cfg = cluster
+    k8s = cfg.kubernetes
+    values = dict(line.split("=", 1) for line in (MANIFESTS / "overlays" / name / "cluster-values.env").read_text()
+                  .splitlines() if line and not line.startswith("#"))
+    runtime, pod = runtime_pod(objects)
+    container = pod["containers"][0]
+    limits = container["resources"]["limits"]
+    assert k8s.node_selector_map == {"node.kubernetes.io/instance-type": values["GPU_INSTANCE_TYPE"]}
+    assert k8s.gpus_per_node == limits["nvidia.com/gpu"] == cfg.training.nproc_per_node
+    assert k8s.efa_per_node == limits.get("vpc.amazonaws.com/efa", 0)
+    assert (k8s.image, k8s.pipeline_image) == (values["IMAGE"], values["PIPELINE_IMAGE"])
+    assert k8s.runtime_name == runtime["metadata"]["name"]
+    one(objects, "LocalQueue", k8s.queue_name, k8s.namespace)
+    one(objects, "ServiceAccount", k8s.service_account, k8s.namespace)
+    assert {m["name"]: m["mountPath"] for m in container["volumeMounts"]}["fsx"] == str(cfg.fsx_root)
+    assert cfg.data.fsx_file_system_id in ("", values["FSX_FILE_SYSTEM_ID"])
+    assert cfg.training.num_nodes <= runtime["spec"]["mlPolicy"]["numNodes"] or name == "prod"
+    if k8s.efa_per_node:
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"

@@ -1,0 +1,85 @@
+"""The trainer's launch command, built in one place for both launchers: one machine (the pipeline's train
+step, components/train.py) and a Kubeflow Trainer TrainJob (components/trainjob.py).
+
+    python -m trainer.launcher ft_launcher --max-restarts=3 --ft-initial-rank-heartbeat-timeout=738 ...
+        --nproc-per-node=8 -m trainer --config <run>/config.yaml --data-dir <dataset>
+
+ft_launcher's initial heartbeat timeout must cover everything before the first step: imports, the process
+group (NCCL across every rank), the model build and the resume from FSx. Too short, and ft_launcher kills
+every resume — a restart loop that never trains. ``initial_heartbeat_timeout`` derives it from the model's
+checkpoint size and the file system's throughput unless resilience.initial_heartbeat_timeout is set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from trainer import nvrx_compat
+from trainer.config import MODEL_PRESETS, Config
+
+BYTE_VOCAB = 258  # trainer.tokenizer's byte tokenizer: 256 bytes + BOS + EOS
+# What a resume reads per parameter: fp32 weights + AdamW's two fp32 moments.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+MIN_INITIAL_HEARTBEAT_SECONDS = 120.0
+# Imports, model build and first step (s), plus NCCL communicator set-up, which grows with the job (s/GPU).
+STARTUP_SECONDS, STARTUP_SECONDS_PER_GPU = 60.0, 0.5
+SAFETY_FACTOR = 1.5
+
+
+def parameter_count(preset: str, vocab_size: int) -> int:
+    """Parameters of a LlamaForCausalLM of this preset (no biases; GQA; tied or separate head)."""
+    p = MODEL_PRESETS[preset]
+    hidden, inter, layers = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"]
+    kv = p["num_key_value_heads"] * (hidden // p["num_attention_heads"])
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
+    head = 0 if p["tie_word_embeddings"] else vocab_size * hidden
+    return vocab_size * hidden + layers * per_layer + hidden + head
+
+
+def vocab_size(cfg: Config, data_dir: Path | None) -> int:
+    """model.vocab_size, else the staged tokenizer's (tokens.json), else the byte tokenizer's."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    meta = Path(data_dir) / "tokens.json" if data_dir else None
+    if meta is not None and meta.is_file():
+        return int(json.loads(meta.read_text())["vocab_size"])
+    return BYTE_VOCAB
+
+
+def initial_heartbeat_timeout(cfg: Config, data_dir: Path | None = None) -> tuple[float, str]:
+    """(seconds, why): the configured value, or one derived from the resume's size and the job's size."""
+    if cfg.resilience.initial_heartbeat_timeout > 0:
+        return cfg.resilience.initial_heartbeat_timeout, "resilience.initial_heartbeat_timeout"
+    gpus = cfg.training.num_nodes * cfg.training.nproc_per_node
+    state_bytes = parameter_count(cfg.model.preset, vocab_size(cfg, data_dir)) * CHECKPOINT_BYTES_PER_PARAMETER
+    reload = state_bytes / (cfg.kubernetes.fsx_throughput_mbps * 1e6)
+    startup = STARTUP_SECONDS + STARTUP_SECONDS_PER_GPU * gpus
+    seconds = max(MIN_INITIAL_HEARTBEAT_SECONDS, round(SAFETY_FACTOR * (reload + startup)))
+    why = (f"{SAFETY_FACTOR} x (resume {state_bytes / 1e9:.1f} GB at {cfg.kubernetes.fsx_throughput_mbps:.0f} MB/s = "
+           f"{reload:.0f} s + start-up {startup:.0f} s for {gpus} ranks), at least {MIN_INITIAL_HEARTBEAT_SECONDS:.0f} s")
+    return float(seconds), why
+
+
+def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, *, job_name: str | None = None,
+                    python: str | None = None) -> list[str]:
+    """The launcher and trainer command line. job_name=None: every rank on this machine (--standalone);
+    else a TrainJob's node, where the Trainer's torch plugin sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR
+    and PET_MASTER_PORT (read by both launchers) and Kubernetes expands $(VAR) in the command."""
+    r = cfg.resilience
+    if r.launcher == "ft_launcher":
+        timeout, _ = initial_heartbeat_timeout(cfg, Path(data_dir))
+        flags = nvrx_compat.ft_launcher_flags(timeout, r.heartbeat_timeout, r.max_restarts,
+                                              node_health_check_endpoint=r.node_health_check_endpoint)
+    else:
+        flags = [f"--max-restarts={r.max_restarts}"]
+    if job_name is None:
+        rendezvous = ["--standalone"]
+    else:  # node rank 0 hosts the store: trainer.launcher adds is_host from PET_NODE_RANK
+        rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
+                      f"--rdzv-id={job_name}", f"--rdzv-conf=join_timeout={int(r.rendezvous_timeout)}"]
+    # ft_launcher rejects --nproc-per-node=auto: always explicit.
+    return [python or sys.executable, "-m", "trainer.launcher", r.launcher, *flags, *rendezvous,
+            f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer", "--config", str(config_path),
+            "--data-dir", str(data_dir)]
