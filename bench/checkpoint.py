@@ -25,9 +25,12 @@ from pathlib import Path
 
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
-from components.train import read_metrics, run_local_training  # noqa: E402
+from components.train.local import run_local_training  # noqa: E402
+from components.train.report import read_metrics  # noqa: E402
+from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.events import read_events  # noqa: E402
+from trainer.run_dir import RunDir  # noqa: E402
 
 log = logging.getLogger("bench.checkpoint")
 
@@ -42,7 +45,7 @@ def _config(work: Path, run_id: str, args, *extra: str):
 
 def _throughput(cfg, first_step: int) -> tuple[float, int]:
     """Steps per second between the records of first_step and the last step (saves in between count)."""
-    records = {r["step"]: r for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    records = {r["step"]: r for r in read_metrics(RunDir(cfg.run_dir).metrics)}
     last = max(records)
     return (last - first_step) / (records[last]["time"] - records[first_step]["time"]), last - first_step
 
@@ -58,7 +61,7 @@ def _stalls(cfg) -> tuple[list[float], float]:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", help="model preset (small ≥ 100 M params)")
     parser.add_argument("--steps", type=int, default=16)

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from trainer.config import load_config
+from trainer.trainer import Trainer
 
 
 def _local_tensors(state) -> list[torch.Tensor]:
@@ -40,11 +44,6 @@ def _read_file(path: Path, chunk: int = 16 << 20) -> int:
 
 
 def main() -> int:
-    import torch.distributed.checkpoint as dcp
-
-    from trainer.config import load_config
-    from trainer.train import Trainer
-
     config_path, data_dir, checkpoint, out = sys.argv[1:5]
     cfg = load_config(config_path)
     trainer = Trainer(cfg, Path(data_dir))

@@ -11,12 +11,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pipelines.demo_data import demo_files  # noqa: E402  (the project's root is on sys.path from here)
+from trainer.data import tokenize_files  # noqa: E402
+
 
 def demo_token_dir(scratch: Path, documents: int = 2000) -> Path:
     """The demo corpus, tokenized into scratch/tokens (the trainer's input)."""
-    from pipelines.demo_data import demo_files
-    from trainer.data import tokenize_files
-
     raw = scratch / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for name, body in demo_files(documents).items():

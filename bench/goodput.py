@@ -23,7 +23,6 @@ Writes bench/results/goodput.json.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import sys
@@ -32,10 +31,13 @@ from pathlib import Path
 
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
-from components.train import read_metrics, run_local_training  # noqa: E402
+from components.train.local import run_local_training  # noqa: E402
+from components.train.report import checkpoint_metric_records, read_metrics  # noqa: E402
+from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.events import read_events  # noqa: E402
-from trainer.faults import random_schedule  # noqa: E402
+from trainer.resilience.faults import random_schedule  # noqa: E402
+from trainer.run_dir import RunDir, read_jsonl  # noqa: E402
 
 log = logging.getLogger("bench.goodput")
 
@@ -54,7 +56,7 @@ CONFIGS = {
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=80)
@@ -82,24 +84,21 @@ def main() -> int:
                 f"--checkpoint.interval_steps={args.interval}", "--checkpoint.keep_last=2",
                 f"--faults.schedule={schedule}", "--resilience.collective_timeout=3", *flags])
             result = run_local_training(cfg, data)
-            kept = read_metrics(cfg.run_dir / "metrics.jsonl")
-            all_records = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
-                           if line.strip()]
+            metrics_path = RunDir(cfg.run_dir).metrics
+            kept, all_records = read_metrics(metrics_path), read_jsonl(metrics_path)  # replayed steps counted once
             first_start = min(r["time"] - r["step_seconds"] for r in all_records)
             wall = max(r["time"] for r in all_records) - first_start
             productive = sum(r["step_seconds"] for r in kept)
-            stalls: dict[int, float] = {}
-            for event in read_events(cfg.run_dir, "checkpoint_written"):
-                stalls[event["step"]] = max(stalls.get(event["step"], 0.0), event["blocking_seconds"])
-            recoveries = read_events(cfg.run_dir, "recovery")
+            stall = sum(r["checkpoint_blocking_seconds"] for r in checkpoint_metric_records(cfg.run_dir))
             figures[name] = {
                 "goodput": productive / wall,
                 "job_goodput": result["goodput"],
                 "lost_steps": len(all_records) - len(kept),
                 "faults": len(read_events(cfg.run_dir, "fault")),
-                "recoveries_by_mechanism": {m: sum(r["mechanism"] == m for r in recoveries)
-                                            for m in sorted({r["mechanism"] for r in recoveries})},
-                "checkpoint_overhead": sum(stalls.values()) / wall,
+                "recoveries_by_mechanism": {key.removeprefix("recoveries_"): count
+                                            for key, count in result["recovery_totals"].items()
+                                            if key.startswith("recoveries_")},
+                "checkpoint_overhead": stall / wall,
                 "wall_seconds": wall,
                 "startup_seconds": first_start - read_events(cfg.run_dir, "launch")[0]["process_started_at"],
                 "job_wall_seconds": result["job_wall_seconds"],

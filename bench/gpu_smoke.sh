@@ -16,7 +16,7 @@ python3 -m pip install --quiet --no-deps -e . >/dev/null
 python3 - <<'PY'
 import torch, sys
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-from trainer.nvrx_compat import nvrx_version
+from trainer.resilience.nvrx_compat import nvrx_version
 print("nvidia-resiliency-ext", nvrx_version())
 sys.exit(0 if torch.cuda.is_available() else 1)
 PY

@@ -16,7 +16,6 @@ first step, from the trainer's recovery events. Writes bench/results/recovery.js
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import sys
@@ -25,7 +24,8 @@ from pathlib import Path
 
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
-from components.train import run_local_training  # noqa: E402
+from components.train.local import run_local_training  # noqa: E402
+from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 
@@ -43,7 +43,7 @@ SPLIT = ("detect_and_teardown_seconds", "reinit_seconds", "reload_seconds", "fir
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0,

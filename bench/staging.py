@@ -19,17 +19,20 @@ Writes bench/results/staging.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from common import ROOT, write_results  # noqa: E402  (bench/ is the script's folder)
 
-from components.stage import copy_from_s3, list_objects, s3_client, select_objects, stage_dataset  # noqa: E402
-from pipelines.local_stack import S3Server  # noqa: E402
+from components.stage.staging import copy_from_s3, list_objects, s3_client, select_objects, stage_dataset  # noqa: E402
+from pipelines.local_stack import S3Server, free_port  # noqa: E402
+from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 
 log = logging.getLogger("bench.staging")
@@ -62,11 +65,6 @@ class LatencyProxy:
     """A TCP proxy on loopback that holds each request for `latency` seconds before passing it on."""
 
     def __init__(self, upstream_port: int, latency: float):
-        import asyncio
-        import threading
-
-        from pipelines.local_stack import free_port
-
         self.port = free_port()
         self.upstream_port, self.latency = upstream_port, latency
         self.loop = asyncio.new_event_loop()
@@ -75,8 +73,6 @@ class LatencyProxy:
         ready.wait()
 
     def _serve(self, ready) -> None:
-        import asyncio
-
         async def pipe(reader, writer, delay: bool) -> None:
             try:
                 while data := await reader.read(65536):
@@ -127,7 +123,7 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=20.0, help="per-request delay of the proxy run")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "staging.json")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logs.configure(logging.WARNING)
     scratch = Path(tempfile.mkdtemp(prefix="bench-staging-"))
     try:
         with S3Server(log_dir=scratch / "logs") as s3_server:

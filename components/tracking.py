@@ -35,13 +35,16 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import requests
+
+from trainer.run_dir import RunDir, read_json, read_jsonl, write_atomic, write_json
+
 log = logging.getLogger(__name__)
 
 PIPELINE_RUN_TAG = "pipeline_run_id"
 STEP_TAG = "pipeline_step"
 SPOOL_KEY_TAG = "spool_key"
 PARENT = "pipeline"  # the spool's name for the parent run
-SPOOL_DIR = "mlflow-spool"
 _METRICS_PER_CALL = 1000  # MLflow's log_batch limits
 _PARAMS_PER_CALL = 100
 
@@ -75,10 +78,10 @@ class Tracker:
         self.experiment = experiment
         self.pipeline_run_id = pipeline_run_id
         self.artifact_location = artifact_location
-        self.spool = Path(run_dir) / SPOOL_DIR
+        self.spool = RunDir(run_dir).spool
         self.journal = self.spool / "journal.jsonl"
         self.state_path = self.spool / "delivered.json"
-        self.rejected_path = self.spool / "rejected.jsonl"
+        self.rejected_path = RunDir(run_dir).rejected
         self._client = None
         self._warned = False
 
@@ -155,14 +158,10 @@ class Tracker:
             return sum(1 for _ in handle)
 
     def _state(self) -> dict[str, Any]:
-        if self.state_path.is_file():
-            return json.loads(self.state_path.read_text())
-        return {"delivered": 0, "runs": {}}
+        return read_json(self.state_path) or {"delivered": 0, "runs": {}}
 
     def _save_state(self, state: dict[str, Any]) -> None:
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(self.state_path)
+        write_json(self.state_path, state)
 
     def flush(self) -> bool:
         """Deliver what is pending, in order; True when nothing is left. Never raises for an outage."""
@@ -221,9 +220,7 @@ class Tracker:
             return len(still)
 
     def _rewrite_rejected(self, records: list[dict[str, Any]]) -> None:
-        tmp = self.rejected_path.with_name(self.rejected_path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        tmp.replace(self.rejected_path)
+        write_atomic(self.rejected_path, "".join(json.dumps(r) + "\n" for r in records))
 
     # -- delivery ------------------------------------------------------------------------------------
 
@@ -252,7 +249,7 @@ class Tracker:
 
     def _mlflow(self):
         if self._client is None:
-            from mlflow.tracking import MlflowClient
+            from mlflow.tracking import MlflowClient  # mlflow: 1.4 s to import, and the spool works without it
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
@@ -260,8 +257,6 @@ class Tracker:
     def _check_reachable(self) -> None:
         if not self.tracking_uri.startswith(("http://", "https://")):
             return  # a local store: errors surface from the calls themselves
-        import requests
-
         try:
             requests.get(self.tracking_uri.rstrip("/") + "/health", timeout=3)
         except requests.RequestException as err:
@@ -269,7 +264,7 @@ class Tracker:
 
     def _experiment_id(self) -> str:
         """Get or create, safe when several runs start at once: losing the race to create is not an error."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # mlflow: 1.4 s to import, and the spool works without it
 
         client = self._mlflow()
         experiment = client.get_experiment_by_name(self.experiment)
@@ -291,7 +286,7 @@ class Tracker:
         return runs[0] if runs else None
 
     def _deliver(self, op: dict[str, Any], state: dict[str, Any]) -> None:
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import Metric, RunTag  # mlflow: 1.4 s to import, and the spool works without it
 
         client = self._mlflow()
         if op["op"] == "start_run":
@@ -316,7 +311,7 @@ class Tracker:
             raise AssertionError(f"unknown spool record {op['op']}")
 
     def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # mlflow: 1.4 s to import, and the spool works without it
 
         client = self._mlflow()
         if op["run"] == PARENT:
@@ -341,16 +336,9 @@ class Tracker:
         return run_id
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not Path(path).is_file():
-        return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
 def is_outage(err: Exception) -> bool:
     """Connection failures and 5xx/429 answers are outages (retry later); other refusals are not."""
-    import requests
-    import sqlalchemy.exc
+    import sqlalchemy.exc  # with mlflow (see _mlflow): only once a delivery failed
     from mlflow.exceptions import MlflowException, RestException
 
     if isinstance(err, (requests.RequestException, ConnectionError, TimeoutError, sqlalchemy.exc.OperationalError)):

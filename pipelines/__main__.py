@@ -1,3 +1,5 @@
+"""`python -m pipelines`: the command line (pipelines/cli.py)."""
+
 import sys
 
 from pipelines.cli import main

@@ -2,6 +2,7 @@
 
     python -m pipelines run --config local                          # the whole pipeline on this machine
     python -m pipelines run --config local --training.num_steps=50  # with overrides
+    python -m pipelines run --config local -v                       # every task's output streamed here too
     python -m pipelines stage --config local                        # the stage step alone (pre-warm FSx)
     python -m pipelines compile --config local -o pipeline.yaml     # KFP IR YAML
     python -m pipelines mlflow-sync work/fsx/runs/RUN_ID             # deliver records spooled in an outage
@@ -11,105 +12,40 @@
 
 ``run`` starts the embedded stack (S3 server on loopback, MLflow sqlite store, a folder as the FSx
 mount), runs every step through KFP's local runner, writes ``summary.json`` in the run folder and prints
-its path as the last line. Exit code 0 when the pipeline succeeded, 1 when a step failed, 2 for a bad
-configuration.
+its path as the last line. The console shows one line per step and a training progress bar; everything the
+runner and the tasks print is in ``<run folder>/logs/pipeline.log`` (``-v`` streams it here as well).
+Exit code 0 when the pipeline succeeded, 1 when a step failed, 2 for a bad configuration.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import secrets
 import sys
-import time
 from pathlib import Path
 
-from pipelines.demo_data import DemoUploadError
-from pipelines.local_stack import LocalStackError
+from kfp import compiler
+
+from components.context import tracker
+from components.tracking import TrackingUnavailable
+from pipelines import submit as kfp_submit
+from pipelines.compare import compare_runs, comparison_plot, render
+from pipelines.console import print_summary
+from pipelines.local_run import STAGE_ERRORS, run_locally, stage_locally
+from pipelines.pipeline import build_pipeline
+from trainer import logs
 from trainer.config import Config, ConfigError, load_config
-
-log = logging.getLogger("pipelines")
-
-
-def new_run_id() -> str:
-    return time.strftime("run-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-
-
-@contextlib.contextmanager
-def embedded_stack(cfg: Config, log_dir: Path):
-    """The local stand-ins the config asks for: the S3 server on loopback and the uploaded demo corpus."""
-    with contextlib.ExitStack() as stack:
-        if cfg.local.s3_server:
-            from pipelines.local_stack import S3Server
-
-            stack.enter_context(S3Server(log_dir=log_dir))
-        if cfg.local.upload_demo_data:
-            from pipelines.demo_data import upload_demo_data
-
-            upload_demo_data(cfg.data, cfg.local.demo_documents)
-        yield
-
-
-def run_locally(cfg: Config) -> dict:
-    """Run the pipeline with kfp.local on this machine; returns the summary (also written to summary.json)."""
-    import kfp.local
-
-    from pipelines.pipeline import build_pipeline
-
-    if not cfg.run.run_id:
-        cfg.run.run_id = new_run_id()
-    run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    summary_path = run_dir / "summary.json"
-    started = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(embedded_stack(cfg, run_dir / "logs"))
-        except (DemoUploadError, LocalStackError) as err:  # before any step: the summary says why
-            summary = failed_before_start(cfg, "local stack", err)
-            summary_path.write_text(json.dumps(summary, indent=2, default=str))
-            return summary
-        kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(run_dir / "kfp"),
-                       raise_on_error=False)
-        pipeline = build_pipeline(cfg)
-        pipeline(config_json=cfg.to_json(), overrides=[])
-    wall = time.perf_counter() - started
-    if not summary_path.is_file():  # the exit handler itself failed
-        raise RuntimeError(f"the pipeline wrote no {summary_path}; see the task logs above")
-    summary = json.loads(summary_path.read_text())
-    summary["pipeline_wall_seconds"] = wall
-    summary_path.write_text(json.dumps(summary, indent=2, default=str))
-    return summary
-
-
-def failed_before_start(cfg: Config, step: str, err: Exception) -> dict:
-    """A summary for a run that failed before its first pipeline step (same keys as finalize's)."""
-    return {"status": "failed", "pipeline_run_id": cfg.run.run_id, "mlflow_tracking_uri": cfg.tracking_uri,
-            "mlflow_experiment": cfg.run.experiment, "mlflow_parent_run_id": None, "mlflow_pending_records": 0,
-            "mlflow_rejected_records": 0, "run_dir": str(cfg.run_dir), "checkpoint_dir": str(cfg.checkpoint_dir),
-            "checkpoint": None, "steps_trained": None, "final_train_loss": None, "heldout_loss": None,
-            "heldout_perplexity": None, "promotion": None, "recovery_events": [], "goodput": None,
-            "errors": [{"step": step, "error_type": type(err).__name__, "message": str(err)}], "steps": {},
-            "finished_at": time.time()}
+from trainer.run_dir import RunDir
 
 
 def stage_command(cfg: Config) -> int:
     """The stage step alone (pre-warming FSx, or trying a dataset): 0 staged, 1 failed."""
-    from components.fsx import FsxError
-    from components.stage import StageError
-    from components.steps import stage_only
-    from trainer.data import DataError
-
     try:
-        with embedded_stack(cfg, cfg.work_dir / "logs"):
-            staged = stage_only(cfg)
-    except (StageError, FsxError, DataError, DemoUploadError, LocalStackError) as err:
+        staged, manifest = stage_locally(cfg)
+    except STAGE_ERRORS as err:
         print(f"error: stage failed: {err}", file=sys.stderr)
         return 1
-    manifest = Path(staged["data_dir"]) / "stage-manifest.json"
     print(f"staged {cfg.data.s3_uri} ({staged['mode']} mode) into {staged['data_dir']}: {staged['objects']} "
           f"objects, {staged['bytes']} bytes, {staged['downloaded']} downloaded, {staged['skipped']} key(s) skipped, "
           f"{staged['train_tokens']} train / {staged['val_tokens']} held-out tokens")
@@ -117,47 +53,8 @@ def stage_command(cfg: Config) -> int:
     return 0
 
 
-def _print_summary(summary: dict, summary_path: Path) -> None:
-    def fmt(value, spec=".4f"):
-        return "n/a" if value is None else format(value, spec)
-
-    lines = [
-        "",
-        f"resilient-train run {summary['pipeline_run_id']}: {summary['status'].upper()}",
-        f"  steps trained      {summary['steps_trained'] if summary['steps_trained'] is not None else 'n/a'}",
-        f"  final train loss   {fmt(summary['final_train_loss'])}",
-        f"  held-out loss      {fmt(summary['heldout_loss'])} (perplexity {fmt(summary['heldout_perplexity'], '.2f')})",
-        f"  recovery events    {len(summary['recovery_events'])}"
-        + (f" (goodput {summary['goodput']:.0%})" if summary.get("goodput") else ""),
-        f"  checkpoint         {summary['checkpoint'] or 'n/a'}",
-        f"  promotion          {_promotion_line(summary.get('promotion'))}",
-        f"  MLflow run         {summary['mlflow_parent_run_id']} (experiment {summary['mlflow_experiment']})",
-        f"  wall time          {summary.get('pipeline_wall_seconds', 0):.1f} s",
-    ]
-    for event in summary["recovery_events"]:
-        lines.append(f"    {event['fault_type']} on rank {event['fault_rank']} at step {event['fault_step']}: "
-                     f"{event['mechanism']} restart, reloaded step {event['reloaded_step']} from {event['reload_source']}, "
-                     f"{event['lost_steps']} steps lost, {_seconds(event['recovery_seconds'])} to the next step")
-    if summary.get("mlflow_pending_records"):
-        lines.append(f"  MLflow spool       {summary['mlflow_pending_records']} record(s) not delivered (tracking "
-                     f"server unreachable): python -m pipelines mlflow-sync {summary['run_dir']}")
-    if summary.get("mlflow_rejected_records"):
-        lines.append(f"  MLflow refused     {summary['mlflow_rejected_records']} record(s) (see "
-                     f"{summary['run_dir']}/mlflow-spool/rejected.jsonl): fix the cause, then python -m pipelines "
-                     f"mlflow-sync {summary['run_dir']} --retry-rejected")
-    for error in summary["errors"]:
-        lines.append(f"  FAILED at {error['step']}: {error['error_type']}: {error['message']}")
-    uri = summary["mlflow_tracking_uri"]
-    if uri.startswith("sqlite:"):
-        lines.append(f"  MLflow UI          mlflow ui --backend-store-uri {uri} --port 5000")
-    lines.append(str(summary_path))
-    print("\n".join(lines))  # the CLI's final summary; the last line is the summary's path for scripts
-
-
 def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
     """Every argument is checked before a client exists: a bad cron never waits on a network."""
-    from pipelines import submit as kfp_submit
-
     try:
         if args.command == "submit":
             kfp_submit.idempotency_key(args.idempotency_key)
@@ -194,12 +91,9 @@ def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
 def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
     """Deliver a run's spooled MLflow records; 0 once everything is in MLflow, 1 while records are still
     spooled (server down) or refused. --retry-rejected first sends the refused ones again."""
-    from components.steps import tracker
-    from components.tracking import TrackingUnavailable
-
     retry = "--retry-rejected" in overrides
     overrides = [o for o in overrides if o != "--retry-rejected"]
-    config_path = run_dir / "config.yaml"
+    config_path = RunDir(run_dir).config
     if not config_path.is_file():
         print(f"error: {config_path} not found: pass the run folder (work/fsx/runs/RUN_ID)", file=sys.stderr)
         return 2
@@ -225,18 +119,6 @@ def mlflow_sync(run_dir: Path, overrides: list[str]) -> int:
     return 0 if reachable and not left and not refused else 1
 
 
-def _promotion_line(decision: dict | None) -> str:
-    if not decision:
-        return "n/a"
-    if decision.get("new_version"):
-        return f"registered as version {decision['new_version']} with alias champion ({decision['reason']})"
-    return f"kept the champion: {decision['reason']}"
-
-
-def _seconds(value) -> str:
-    return "n/a" if value is None else f"{value:.1f} s"
-
-
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="local",
                         help="YAML config path or bundled name (default: local); "
@@ -249,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the whole pipeline locally (kfp.local)")
     _add_config_arguments(run)
+    run.add_argument("-v", "--verbose", action="store_true",
+                     help="stream every task's full output here too (it always goes to <run folder>/logs/pipeline.log)")
     stage = commands.add_parser("stage", help="run the stage step alone: S3 -> the FSx path, tokenized")
     _add_config_arguments(stage)
     compile_ = commands.add_parser("compile", help="compile the pipeline to KFP IR YAML")
@@ -289,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="also send the records the server refused again (after fixing the cause)")
 
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(logging.INFO)
     unknown = [o for o in overrides if not o.startswith("--") or "=" not in o]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (overrides look like --section.key=value)")
@@ -302,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.command == "compare":
-        from pipelines.compare import comparison_plot, compare_runs, render
-
         try:
             rows = compare_runs(args.tracking_uri or cfg.tracking_uri, args.experiment or cfg.run.experiment,
                                 last=args.last, filter_string=args.filter)
@@ -323,15 +205,11 @@ def main(argv: list[str] | None = None) -> int:
         return stage_command(cfg)
 
     if args.command == "compile":
-        from kfp import compiler
-
-        from pipelines.pipeline import build_pipeline
-
         args.output.parent.mkdir(parents=True, exist_ok=True)
         compiler.Compiler().compile(build_pipeline(cfg), str(args.output))
         print(args.output)
         return 0
 
-    summary = run_locally(cfg)
-    _print_summary(summary, cfg.run_dir / "summary.json")
+    summary = run_locally(cfg, verbose=args.verbose)
+    print_summary(summary, RunDir(cfg.run_dir).summary)
     return 0 if summary["status"] == "succeeded" else 1

@@ -10,6 +10,10 @@ import json
 import logging
 import random
 
+from botocore.exceptions import BotoCoreError, ClientError
+
+from components.stage.staging import s3_client, s3_error
+
 log = logging.getLogger(__name__)
 
 _SUBJECTS = ["the cat", "the dog", "a small bird", "the old man", "my sister", "the farmer", "a red fox",
@@ -72,13 +76,9 @@ def upload_corpus(s3_client, bucket: str, prefix: str, num_documents: int) -> in
 
 def upload_demo_data(data, num_documents: int) -> int:
     """The demo corpus to data.s3_uri (local.upload_demo_data), with an error that says what to check."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from components.stage import _s3_error, s3_client
-
     try:
         return upload_corpus(s3_client(data.s3_endpoint_url), data.bucket, data.prefix,
                              num_documents)
     except (ClientError, BotoCoreError) as err:
         raise DemoUploadError(f"uploading the demo corpus (local.upload_demo_data) failed: "
-                              f"{_s3_error(err, data.s3_uri)}") from err
+                              f"{s3_error(err, data.s3_uri)}") from err

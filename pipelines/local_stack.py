@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -121,8 +123,6 @@ class MlflowServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "MlflowServer":
-        import urllib.request
-
         self.store_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
                    "--workers", "1", "--backend-store-uri", f"sqlite:///{self.store_dir / 'mlflow.db'}",
@@ -146,8 +146,6 @@ class MlflowServer:
                               f"{self.startup_timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        import signal
-
         if self.proc is None or self.proc.poll() is not None and not _group_alive(self.proc.pid):
             return
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):

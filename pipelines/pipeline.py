@@ -13,15 +13,19 @@ gets its cluster settings through kfp-kubernetes: the FSx PVC, the MLflow creden
 timeouts, and retries with backoff for the stage and the TrainJob launcher.
 """
 
-from kfp import dsl
+from kfp import dsl, kubernetes
 
-from components.pipeline_components import make_components
+from components.kfp_components import make_components
 from trainer.config import Config
 
 PIPELINE_NAME = "resilient-train"
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 # (cpu, memory) requests per task on the cluster; validate/evaluate load the whole model on CPU (fp32).
 _RESOURCES = {"light": ("500m", "1Gi"), "stage": ("4", "16Gi"), "launcher": ("500m", "2Gi"), "model": ("8", "96Gi")}
+# What the KFP UI (and the local console) calls each task; the keys are KFP's task names.
+DISPLAY_NAMES = {"prepare-run": "prepare", "fingerprint-data": "fingerprint", "stage-data": "stage",
+                 "record-stage": "record stage", "train-model": "train", "validate-checkpoint": "validate",
+                 "evaluate-model": "evaluate", "finalize-run": "finalize"}
 
 
 def build_pipeline(default_config: Config):
@@ -31,10 +35,10 @@ def build_pipeline(default_config: Config):
     c = make_components(k8s.pipeline_image)
 
     def on_cluster(task, kind: str, timeout_seconds: int, retries: int = 0):
+        """The task's display name and, with kubernetes.enabled, its cluster settings."""
+        task.set_display_name(DISPLAY_NAMES[task.name])
         if not k8s.enabled:
             return task
-        from kfp import kubernetes
-
         cpu, memory = _RESOURCES[kind]
         task.set_cpu_request(cpu).set_memory_request(memory).set_memory_limit(memory)
         kubernetes.mount_pvc(task, pvc_name=k8s.fsx_pvc, mount_path=str(default_config.fsx_root))
@@ -49,25 +53,23 @@ def build_pipeline(default_config: Config):
     @dsl.pipeline(name=PIPELINE_NAME, description="Stage data, train with FSDP2 + NVRx, validate, evaluate.")
     def resilient_train(config_json: str = default_json, overrides: list = []):  # noqa: B006 - KFP default
         common = dict(config_json=config_json, overrides=overrides, kfp_job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-        finalize = on_cluster(c.finalize_run(**common).set_display_name("finalize"), "light", 1800)
+        finalize = on_cluster(c.finalize_run(**common), "light", 1800)
         finalize.set_caching_options(False)
         with dsl.ExitHandler(finalize, name="run"):
-            prepare = on_cluster(c.prepare_run(**common).set_display_name("prepare"), "light", 1800)
-            fingerprint = on_cluster(c.fingerprint_data(config_json=config_json, overrides=overrides)
-                                     .after(prepare).set_display_name("fingerprint"), "light", 1800)
+            prepare = on_cluster(c.prepare_run(**common), "light", 1800)
+            fingerprint = on_cluster(c.fingerprint_data(config_json=config_json, overrides=overrides).after(prepare),
+                                     "light", 1800)
             # Only the fingerprint task's outputs reach the stage task: its cache key holds no per-run value.
             stage = on_cluster(c.stage_data(stage_config=fingerprint.outputs["stage_config"],
-                                            data_fingerprint=fingerprint.outputs["fingerprint"])
-                               .set_display_name("stage"), "stage", 6 * 3600, retries=k8s.step_retries)
+                                            data_fingerprint=fingerprint.outputs["fingerprint"]),
+                               "stage", 6 * 3600, retries=k8s.step_retries)
             stage.set_caching_options(True)
-            record = on_cluster(c.record_stage(**common, dataset=stage.outputs["dataset"])
-                                .set_display_name("record stage"), "light", 1800)
-            train = on_cluster(c.train_model(**common, data_dir=record.output).set_display_name("train"), "launcher",
+            record = on_cluster(c.record_stage(**common, dataset=stage.outputs["dataset"]), "light", 1800)
+            train = on_cluster(c.train_model(**common, data_dir=record.output), "launcher",
                                default_config.training.timeout_seconds + 3600, retries=k8s.step_retries)
-            validate = on_cluster(c.validate_checkpoint(**common, checkpoint=train.outputs["Output"])
-                                  .set_display_name("validate"), "model", 4 * 3600)
+            validate = on_cluster(c.validate_checkpoint(**common, checkpoint=train.outputs["Output"]), "model", 4 * 3600)
             evaluate = on_cluster(c.evaluate_model(**common, checkpoint=validate.outputs["Output"],
-                                                   data_dir=record.output).set_display_name("evaluate"), "model", 4 * 3600)
+                                                   data_dir=record.output), "model", 4 * 3600)
             for task in (prepare, fingerprint, record, train, validate, evaluate):
                 task.set_caching_options(False)
 

@@ -25,12 +25,22 @@ to every call. Standalone KFP has one namespace of its own, and no namespace is 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
+import kfp
+import kfp_server_api
+import requests
+import urllib3
+from kfp import compiler
+from kfp.client.client import _extract_pipeline_yaml  # the parser kfp.Client itself uses (private, pinned kfp)
+
+from pipelines.pipeline import build_pipeline
 from trainer.config import Config
 
 _CRON_FIELDS = [("second", 0, 59), ("minute", 0, 59), ("hour", 0, 23), ("day of month", 1, 31), ("month", 1, 12),
@@ -59,11 +69,6 @@ def connect(host: str | None, namespace: str | None):
 
     Credentials from the environment only: KF_PIPELINES_TOKEN (a bearer token) or kfp.Client's own chain.
     """
-    import logging
-    import warnings
-
-    import kfp
-
     # urllib3 logs each retry of the healthz call and kfp warns about server versions: one line says it all.
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     try:
@@ -77,10 +82,6 @@ def connect(host: str | None, namespace: str | None):
 
 def is_unavailable(err: Exception) -> bool:
     """A failure to reach or to be let into the KFP API (not a bad request)."""
-    import kfp_server_api
-    import requests
-    import urllib3
-
     if isinstance(err, (urllib3.exceptions.HTTPError, requests.exceptions.ConnectionError, ConnectionError)):
         return True
     return isinstance(err, kfp_server_api.ApiException) and err.status in (401, 403, 502, 503, 504)
@@ -141,25 +142,17 @@ def idempotency_key(key: str) -> str:
 
 
 def compile_package(cfg: Config, directory: Path) -> Path:
-    from kfp import compiler
-
-    from pipelines.pipeline import build_pipeline
-
     path = Path(directory) / "pipeline.yaml"
     compiler.Compiler().compile(build_pipeline(cfg), str(path))
     return path
 
 
 def _pipeline_spec(package: Path) -> dict[str, Any]:
-    from kfp.client.client import _extract_pipeline_yaml  # the parser kfp.Client itself uses
-
     return _extract_pipeline_yaml(str(package)).to_dict()
 
 
 def run_request(package: Path, *, experiment_id: str | None, display_name: str, params: dict[str, Any],
                 service_account: str | None):
-    import kfp_server_api
-
     return kfp_server_api.V2beta1Run(
         experiment_id=experiment_id, display_name=display_name, pipeline_spec=_pipeline_spec(package),
         runtime_config=kfp_server_api.V2beta1RuntimeConfig(parameters=params), service_account=service_account)
@@ -167,8 +160,6 @@ def run_request(package: Path, *, experiment_id: str | None, display_name: str, 
 
 def recurring_run_request(package: Path, *, experiment_id: str | None, display_name: str, cron: str,
                           params: dict[str, Any], service_account: str | None, enabled: bool = True):
-    import kfp_server_api
-
     return kfp_server_api.V2beta1RecurringRun(
         experiment_id=experiment_id, display_name=display_name, pipeline_spec=_pipeline_spec(package),
         runtime_config=kfp_server_api.V2beta1RuntimeConfig(parameters=params),
@@ -180,8 +171,6 @@ def recurring_run_request(package: Path, *, experiment_id: str | None, display_n
 
 def as_json(request) -> str:
     """The body exactly as the generated API client serializes it onto the wire."""
-    import kfp_server_api
-
     return json.dumps(kfp_server_api.ApiClient().sanitize_for_serialization(request), indent=2, sort_keys=True)
 
 

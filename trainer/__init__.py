@@ -1,4 +1,4 @@
-"""FSDP2 training of Llama-architecture models, usable without KFP (see trainer/train.py)."""
+"""FSDP2 training of Llama-architecture models, usable without KFP (the loop: trainer/trainer.py; the command line: trainer/cli.py)."""
 
 import warnings
 

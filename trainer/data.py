@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+from tqdm import tqdm
+
+from trainer.run_dir import write_json
+from trainer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ def read_documents(files: list[Path]) -> Iterable[str]:
     column) files."""
     for path in sorted(files):
         if path.suffix == ".parquet":
+            # pyarrow only here: only the stage step reads .parquet, and the trainer image does not have it
             import pyarrow.parquet as pq
 
             parquet = pq.ParquetFile(path)
@@ -68,8 +73,6 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
     The cache key is a hash of the input files' contents, the split and the tokenizer, so editing one
     document re-tokenizes and touching nothing does not.
     """
-    from trainer.tokenizer import load_tokenizer
-
     if not files:
         raise DataError(f"no .txt, .jsonl or .parquet files to tokenize for {out_dir}")
     loaded = load_tokenizer(tokenizer)
@@ -99,8 +102,6 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": loaded.name, "vocab_size": loaded.vocab_size,
             "dtype": np.dtype(dtype).name, "content_hash": content_hash, "val_fraction": val_fraction, "splits": {}}
-    from tqdm import tqdm
-
     for split, docs in texts.items():
         target = out_dir / f"{split}.bin"
         tmp = target.with_suffix(".bin.tmp")
@@ -116,9 +117,7 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
                 bar.update(len(batch))
         tmp.replace(target)
         meta["splits"][split] = {"file": target.name, "tokens": count, "documents": len(docs)}
-    tmp_meta = meta_path.with_suffix(".json.tmp")
-    tmp_meta.write_text(json.dumps(meta, indent=2))
-    tmp_meta.replace(meta_path)  # written last: its presence means the shards are complete
+    write_json(meta_path, meta)  # written last: its presence means the shards are complete
     log.info("tokenized %d train / %d val documents into %s", len(texts["train"]), len(texts["val"]), out_dir)
     return meta
 

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_DIR = "events"
+from trainer.run_dir import RunDir, read_jsonl
 
 
 class EventLog:
     """One rank's events file; with a fence (trainer.lease.Fence), a superseded trainer appends nothing."""
 
     def __init__(self, run_dir: Path, rank: int, fence=None):
-        self.path = Path(run_dir) / EVENTS_DIR / f"rank-{rank}.jsonl"
+        self.path = RunDir(run_dir).events_of(rank)
         self.rank = rank
         self.fence = fence
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,13 +35,6 @@ class EventLog:
 
 def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
     """All ranks' events, ordered by time; a torn last line (process killed mid-write) is skipped."""
-    records = []
-    for path in sorted((Path(run_dir) / EVENTS_DIR).glob("rank-*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if event is None or record.get("event") == event:
-                records.append(record)
+    records = [record for path in sorted(RunDir(run_dir).events.glob("rank-*.jsonl")) for record in read_jsonl(path)
+               if event is None or record.get("event") == event]
     return sorted(records, key=lambda r: r["time"])

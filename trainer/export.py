@@ -15,7 +15,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from trainer.checkpoint import CheckpointError, load_model_from_checkpoint, verify_checkpoint
+from trainer import logs
+from trainer.checkpoint.format import CheckpointError, load_model_from_checkpoint, verify_checkpoint
+from trainer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +26,6 @@ EXPORT_INFO = "resilient_train_export.json"
 
 def export_hf(checkpoint: Path, out_dir: Path, *, overwrite: bool = False) -> Path:
     """Write the HF folder next to out_dir, then rename it into place (never a half-written export)."""
-    from trainer.tokenizer import load_tokenizer
-
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists: choose another folder, or replace it with --overwrite "
@@ -49,7 +49,7 @@ def export_hf(checkpoint: Path, out_dir: Path, *, overwrite: bool = False) -> Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure()
     parser = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a committed step-N checkpoint folder")

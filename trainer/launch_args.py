@@ -1,5 +1,5 @@
 """The trainer's launch command, built in one place for both launchers: one machine (the pipeline's train
-step, components/train.py) and a Kubeflow Trainer TrainJob (components/trainjob.py).
+step, components/train/local.py) and a Kubeflow Trainer TrainJob (components/train/trainjob.py).
 
     python -m trainer.launcher ft_launcher --max-restarts=3 --ft-initial-rank-heartbeat-timeout=738 ...
         --nproc-per-node=8 -m trainer --config <run>/config.yaml --data-dir <dataset>
@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from trainer import nvrx_compat
+from trainer.resilience import nvrx_compat
 from trainer.config import MODEL_PRESETS, Config
 
 BYTE_VOCAB = 258  # trainer.tokenizer's byte tokenizer: 256 bytes + BOS + EOS

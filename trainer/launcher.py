@@ -7,14 +7,14 @@ What the pipeline's train step runs on one machine and a TrainJob runs on each n
 the process that started it, and every helper it forks (ft_launcher's rank monitor servers) watches the
 launcher; the workers watch it from their side (trainer.__main__). So killing the step, or the launcher,
 stops the whole job. Version- and node-dependent flags are settled here, where NVRx is installed
-(trainer.nvrx_compat.runtime_launcher_args).
+(trainer.resilience.nvrx_compat.runtime_launcher_args).
 """
 
 import os
 import runpy
 import sys
 
-from trainer.nvrx_compat import FT_LAUNCHER_MODULE, runtime_launcher_args
+from trainer.resilience.nvrx_compat import FT_LAUNCHER_MODULE, runtime_launcher_args
 from trainer.parent_watch import forked_children_die_with_this_process, watch_parent
 
 LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.run"}

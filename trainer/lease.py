@@ -17,7 +17,6 @@ and a trainer whose generation is no longer the current one stops before it writ
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import socket
@@ -25,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainer.run_dir import RunDir, read_json, write_json
+
 log = logging.getLogger(__name__)
 
-LEASE_LOCK = "lease.lock"
-LEASE_FILE = "lease.json"
 GENERATION_ENV = "RESILIENT_TRAIN_LEASE_GENERATION"
 
 
@@ -41,10 +40,7 @@ class LeaseLost(RuntimeError):
 
 
 def read_lease(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / LEASE_FILE
-    if not path.is_file():
-        return {"generation": 0}
-    return json.loads(path.read_text())
+    return read_json(RunDir(run_dir).lease) or {"generation": 0}
 
 
 def _holder_text(lease: dict[str, Any]) -> str:
@@ -64,7 +60,7 @@ class RunLease:
 
     def acquire(self) -> "RunLease":
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        handle = (self.run_dir / LEASE_LOCK).open("a")
+        handle = RunDir(self.run_dir).lease_lock.open("a")
         deadline = time.monotonic() + self.wait_seconds
         while True:
             try:
@@ -88,12 +84,7 @@ class RunLease:
         self.generation += 1
         record = {"generation": self.generation,
                   "holder": {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}}
-        tmp = self.run_dir / (LEASE_FILE + ".tmp")
-        with tmp.open("w") as handle:
-            json.dump(record, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        tmp.replace(self.run_dir / LEASE_FILE)
+        write_json(RunDir(self.run_dir).lease, record, fsync=True)
         log.info("run folder %s: lease generation %d", self.run_dir, self.generation)
         return self.generation
 

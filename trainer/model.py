@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.config import MODEL_PRESETS, ModelConfig
@@ -33,8 +35,6 @@ def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int,
     """Weights from model.init_from (HF folder, local files only), else the preset with random weights."""
     if not model.init_from:
         return build_model(llama_config(model, vocab_size, special_token_ids), seed)
-    from pathlib import Path
-
     folder = Path(model.init_from)
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         raise ValueError(f"model.init_from: {folder} must hold config.json and *.safetensors (an HF export)")
@@ -55,8 +55,6 @@ def set_special_token_ids(model: LlamaForCausalLM, special_token_ids: dict[str, 
 
 def shard_model(model: LlamaForCausalLM, mixed_precision: bool) -> LlamaForCausalLM:
     """FSDP2: each decoder layer is its own unit, then the root (embeddings, norm, head)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     kwargs = {}
     if mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

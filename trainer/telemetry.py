@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any
 
+from prometheus_client import Counter, Gauge, start_http_server
+
 log = logging.getLogger(__name__)
 
 _metrics: dict[str, Any] = {}
@@ -20,8 +22,6 @@ _served_port: int | None = None
 
 def _registry() -> dict[str, Any]:
     if not _metrics:
-        from prometheus_client import Counter, Gauge
-
         labels = ["run_id", "rank"]
         _metrics.update(
             step=Gauge("resilient_train_step", "Optimizer steps completed", labels),
@@ -47,8 +47,6 @@ class Telemetry:
         global _served_port
         serve_on = port + int(os.environ.get("LOCAL_RANK", "0"))
         if _served_port is None:
-            from prometheus_client import start_http_server
-
             start_http_server(serve_on)
             _served_port = serve_on
             log.info("Prometheus metrics on :%d/metrics", serve_on)

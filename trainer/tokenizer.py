@@ -6,9 +6,14 @@ byte value, plus BOS 256 and EOS 257), so HF exports carry a tokenizer that tran
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BYTE = "byte"
 _BOS, _EOS = "<|bos|>", "<|eos|>"
@@ -20,7 +25,7 @@ class TokenizerError(ValueError):
 
 @dataclass
 class LoadedTokenizer:
-    tokenizer: "tokenizers.Tokenizer"  # noqa: F821
+    tokenizer: Tokenizer
     name: str
     bos_token: str | None
     eos_token: str | None
@@ -56,11 +61,6 @@ class LoadedTokenizer:
         The saved tokenizer adds BOS in front of a text, as every training document began: tokenizer(prompt)
         then gives the ids the model saw. (Training frames documents itself, with add_special_tokens=False.)
         """
-        import copy
-
-        from tokenizers import processors
-        from transformers import PreTrainedTokenizerFast
-
         tokenizer = copy.deepcopy(self.tokenizer)
         if self.bos_token is not None:
             bos = (self.bos_token, self.bos_id)
@@ -72,9 +72,6 @@ class LoadedTokenizer:
 
 
 def _byte_tokenizer() -> LoadedTokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
     byte_to_char = bytes_to_unicode()
     tokenizer = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(256)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -87,8 +84,6 @@ def load_tokenizer(spec: str) -> LoadedTokenizer:
     """'byte', or a folder holding tokenizer.json (and optionally tokenizer_config.json for BOS/EOS)."""
     if spec == BYTE:
         return _byte_tokenizer()
-    from tokenizers import Tokenizer
-
     folder = Path(spec)
     path = folder / "tokenizer.json"
     if not path.is_file():

@@ -34,7 +34,7 @@ def training_config():
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, token_dir):
     """One real 2-rank training run (8 steps, checkpoints at 4 and 8), shared by the tests that read it."""
-    from components.train import run_local_training
+    from components.train.local import run_local_training
 
     cfg = _training_config(tmp_path_factory.mktemp("work"), "trained", "--training.num_steps=8",
                           "--checkpoint.interval_steps=4")

@@ -75,7 +75,7 @@ def test_candidates_that_all_saw_no_champion_are_decided_one_at_a_time(tmp_path,
     from mlflow.tracking import MlflowClient
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from components import promotion
+    from components.evaluate import promotion
 
     model_dir = tmp_path / "hf"
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

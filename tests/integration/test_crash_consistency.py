@@ -1,34 +1,20 @@
 """A crash anywhere in a save costs no more than that save: kill -9 during async saves, and a SIGKILL at each
 sub-step of the commit protocol, each followed by a resume with bit-identical losses."""
 
-import os
 import random
-import signal
-import subprocess
 import time
-import uuid
 
 import pytest
 
-from components.train import JOB_TOKEN_ENV, job_processes, launch_command, read_metrics, run_local_training
-from trainer.checkpoint import committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name, verify_checkpoint
+from components.train.local import job_processes, run_local_training
+from components.train.report import read_metrics
+from tests.launch import start_launcher
+from trainer.checkpoint.format import committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name, verify_checkpoint
 from trainer.events import read_events
 
 pytestmark = pytest.mark.integration
 
 STEPS = ["--training.num_steps=16", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=3"]
-
-
-def start(cfg, token_dir):
-    """The launcher as a user starts it by hand (no pipeline: rank 0 takes the run folder's lease itself)."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = cfg.run_dir / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
-    token = uuid.uuid4().hex
-    log = (cfg.run_dir / "train.log").open("a")
-    proc = subprocess.Popen(launch_command(cfg, config_path, token_dir), stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, JOB_TOKEN_ENV: token}, start_new_session=True)
-    return proc, token
 
 
 def kill_everything(proc, token):
@@ -58,7 +44,7 @@ def kill_during_a_save(cfg, token_dir, rng, timeout=120.0):
     Returns (N, landed): landed is False when step N committed before the kill arrived (not a mid-save kill).
     """
     leftovers = tmp_folders(cfg.checkpoint_dir)
-    proc, token = start(cfg, token_dir)
+    proc, token = start_launcher(cfg, token_dir)
     deadline = time.monotonic() + timeout
     seen: list[int] = []
     while time.monotonic() < deadline and proc.poll() is None and len(seen) < 2:
@@ -129,7 +115,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_log_line(trained_run, tmp
     assert verify_checkpoint(resumed.checkpoint_dir / "step-000008").ok  # replayed and committed anew
 
 
-# A SIGKILL at each sub-step of a save (trainer.checkpointer.SAVE_POINTS), one drill per save, in one run.
+# A SIGKILL at each sub-step of a save (trainer.resilience.faults.SAVE_KILLS), one drill per save, in one run.
 DRILLS = {"kill_during_shard_write@4:rank=0": "shard_write", "kill_before_manifest@8:rank=0": "before_manifest",
           "kill_before_rename@12:rank=0": "before_rename", "kill_before_parent_fsync@14:rank=0": "before_parent_fsync",
           "kill_during_retention@18:rank=0": "retention"}

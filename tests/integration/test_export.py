@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.checkpoint import load_model_from_checkpoint
+from trainer.checkpoint.format import load_model_from_checkpoint
 from trainer.config import load_config
 from trainer.export import export_hf
 from trainer.model import load_or_build_model
@@ -74,7 +74,7 @@ def test_the_export_reproduces_the_runs_generations_with_plain_transformers(trai
     import subprocess
     import sys
 
-    from components.evaluate import generate
+    from components.evaluate.heldout import generate
     from trainer.tokenizer import load_tokenizer
 
     cfg, _ = trained_run

@@ -6,7 +6,10 @@ import time
 
 import pytest
 
-from components import steps, tracking
+from components.context import tracker
+from components.finalize.step import run_finalize
+from components.prepare.step import run_prepare
+from trainer.run_dir import RunDir
 from pipelines.cli import mlflow_sync
 from pipelines.local_stack import MlflowServer
 from trainer.config import load_config
@@ -25,10 +28,10 @@ def test_outage_mid_run_is_spooled_and_delivered_exactly_once(tmp_path):
     try:
         cfg = load_config("local", [f"--run.work_dir={tmp_path / 'work'}", "--run.run_id=outage",
                                     f"--mlflow.tracking_uri={server.tracking_uri}"])
-        prepared = steps.prepare_step(cfg)
+        prepared = run_prepare(cfg)
         assert prepared["mlflow_parent_run_id"]  # delivered while the server is up
 
-        mlflow = steps.tracker(cfg)
+        mlflow = tracker(cfg)
         run = mlflow.start_step("train")
         mlflow.log_metrics(run, [{"step": s, "loss": 1.0 / s, "time": 1_700_000_000 + s} for s in range(1, 51)])
         assert mlflow.pending() == 0
@@ -43,15 +46,15 @@ def test_outage_mid_run_is_spooled_and_delivered_exactly_once(tmp_path):
         log_file.write_text("overwritten after logging\n")  # the spool keeps what was logged
         mlflow.log_table(run, {"fault_type": ["sigkill"], "lost_steps": [3]}, "recovery_events.json")
         mlflow.end_run(run, "FINISHED")
-        (cfg.run_dir / steps.STEPS_DIR).mkdir(exist_ok=True)
-        summary = steps.finalize_step(cfg, "SUCCEEDED")  # the exit handler, server still down
+        RunDir(cfg.run_dir).steps.mkdir(exist_ok=True)
+        summary = run_finalize(cfg, "SUCCEEDED")  # the exit handler, server still down
         assert time.monotonic() - started < 60  # bounded: no minutes of client retries per record
         assert summary["mlflow_pending_records"] == 7  # 5 step records + summary artifact + end
         assert mlflow_sync(cfg.run_dir, []) == 1  # still down: non-zero, nothing lost
 
         server.start()  # same port, same store
         assert mlflow_sync(cfg.run_dir, []) == 0
-        assert steps.tracker(cfg).pending() == 0
+        assert tracker(cfg).pending() == 0
 
         client = MlflowClient(server.tracking_uri)
         parent = client.get_run(prepared["mlflow_parent_run_id"])
@@ -70,8 +73,8 @@ def test_outage_mid_run_is_spooled_and_delivered_exactly_once(tmp_path):
 
         # A lost bookmark (crash between the server's commit and ours) replays the whole journal: still one
         # parent, one step run, 100 loss values, one table row.
-        (cfg.run_dir / tracking.SPOOL_DIR / "delivered.json").unlink()
-        assert steps.tracker(cfg).flush()
+        tracker(cfg).state_path.unlink()
+        assert tracker(cfg).flush()
         runs = client.search_runs([parent.info.experiment_id], filter_string="tags.pipeline_run_id = 'outage'")
         assert len(runs) == 2
         assert sorted(_history(client, train.info.run_id, "loss")) == [(s, 1.0 / s) for s in range(1, 101)]
@@ -87,8 +90,8 @@ def test_prepare_goes_on_when_the_tracking_server_never_answers(tmp_path):
 
     cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=down",
                                 f"--mlflow.tracking_uri=http://127.0.0.1:{free_port()}"])
-    prepared = steps.prepare_step(cfg)
+    prepared = run_prepare(cfg)
     assert prepared["mlflow_parent_run_id"] is None
-    assert steps.tracker(cfg).pending() == 1
+    assert tracker(cfg).pending() == 1
     journal = [json.loads(line) for line in (cfg.run_dir / "mlflow-spool" / "journal.jsonl").read_text().splitlines()]
     assert journal[0]["op"] == "start_run" and journal[0]["params"]["training.num_steps"] == str(cfg.training.num_steps)

@@ -46,7 +46,7 @@ def successful_run(work, mlflow_server):
 @pytest.fixture(scope="module")
 def second_run(successful_run, work, mlflow_server):
     """The same training without the fault, so the same held-out loss: the gate must keep the champion."""
-    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e-2", *FAST,
+    proc = run_cli("run", "-v", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e-2", *FAST,
                    f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--eval.promotion_threshold=0.001",
                    cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -69,6 +69,25 @@ def test_run_prints_summary_path_last_and_summary_has_the_outcome(successful_run
     assert 0 < summary["goodput"] < 1
     assert "sigkill on rank 1 at step 4: ft_launcher restart" in successful_run.stdout
     assert "registered as version 1 with alias champion (no champion registered yet)" in successful_run.stdout
+
+
+def test_the_console_is_a_step_list_a_progress_report_and_the_summary(successful_run, work):
+    """Issue 14: at most 150 lines; KFP's executor JSON and runner warnings go to the run folder's log."""
+    lines = successful_run.stdout.splitlines()
+    assert len(lines) <= 150, successful_run.stdout
+    for step in ("prepare", "fingerprint", "stage", "record stage", "train", "validate", "evaluate", "finalize"):
+        assert any(line.startswith(f"  {step:<14} done") for line in lines), step
+    assert "  train  step 6/6  loss " in successful_run.stdout
+    assert "  ! sigkill injected on rank 1 at step 4" in lines
+    assert any(line.startswith("  ! recovered by ft_launcher restart: reloaded step") for line in lines)
+    assert "Executing task" not in successful_run.stdout and "executor" not in successful_run.stdout.lower()
+    log = (work / "fsx" / "runs" / "e2e" / "logs" / "pipeline.log").read_text()
+    assert "Executing task" in log and "have no effect in the current local runner" in log
+
+
+def test_verbose_streams_everything_and_still_ends_with_the_summary_path(second_run, work):
+    assert "Executing task" in second_run.stdout and "Streamed logs" in second_run.stdout
+    assert second_run.stdout.strip().splitlines()[-1] == str(work / "fsx" / "runs" / "e2e-2" / "summary.json")
 
 
 def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work):

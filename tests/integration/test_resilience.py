@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from components.train import TrainingError, read_metrics, run_local_training
+from components.train.local import TrainingError, run_local_training
+
+from components.train.report import read_metrics
 from trainer.events import read_events
 
 pytestmark = pytest.mark.integration

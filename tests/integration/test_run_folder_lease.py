@@ -13,13 +13,12 @@ import signal
 import subprocess
 import threading
 import time
-import uuid
 
-import psutil
 import pytest
 
-from components.train import JOB_TOKEN_ENV, job_processes, launch_command, read_metrics, run_local_training
-from trainer.checkpoint import committed_checkpoints, verify_checkpoint
+from components.train.local import job_processes, run_local_training
+from tests.launch import start_launcher
+from trainer.checkpoint.format import committed_checkpoints, verify_checkpoint
 from trainer.events import read_events
 from trainer.lease import GENERATION_ENV, RunFolderBusy, RunLease
 
@@ -35,17 +34,6 @@ def wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-def start(cfg, token_dir, **env):
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = cfg.run_dir / "config.yaml"
-    config_path.write_text(cfg.to_yaml())
-    token = uuid.uuid4().hex
-    log = (cfg.run_dir / "train.log").open("a")
-    proc = subprocess.Popen(launch_command(cfg, config_path, token_dir), stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, JOB_TOKEN_ENV: token, **env}, start_new_session=True)
-    return proc, token
-
-
 def metric_lines(cfg):
     path = cfg.run_dir / "metrics.jsonl"
     return path.read_text().splitlines() if path.is_file() else []
@@ -54,7 +42,7 @@ def metric_lines(cfg):
 def test_sigkill_of_the_launcher_leaves_no_training_process(tmp_path, token_dir, training_config):
     cfg = training_config(tmp_path, "orphans", "--training.num_steps=400", "--checkpoint.interval_steps=2",
                           "--faults.schedule=")
-    proc, token = start(cfg, token_dir)
+    proc, token = start_launcher(cfg, token_dir)
     try:
         # Training and at least one async save under way: both ranks and their DCP writers exist.
         wait_for(lambda: read_events(cfg.run_dir, "checkpoint_committed"), 120, "a committed checkpoint")
@@ -96,7 +84,7 @@ def test_a_superseded_trainer_stops_without_appending_or_committing(tmp_path, to
                           "--resilience.max_restarts=1", "--faults.schedule=")
     lease = RunLease(cfg.run_dir).acquire()
     try:
-        proc, token = start(cfg, token_dir, **{GENERATION_ENV: str(lease.new_generation())})
+        proc, token = start_launcher(cfg, token_dir, **{GENERATION_ENV: str(lease.new_generation())})
         wait_for(lambda: read_events(cfg.run_dir, "checkpoint_committed"), 120, "a committed checkpoint")
         lines_before = len(metric_lines(cfg))
         lease.new_generation()  # a newer launch took the folder over (its lock holder died, say)
@@ -114,7 +102,7 @@ def test_a_superseded_trainer_stops_without_appending_or_committing(tmp_path, to
 
 
 def test_the_timeout_stops_every_process_of_the_job(tmp_path, token_dir, training_config):
-    from components.train import RUN_DIR_ENV, TrainingError
+    from components.train.local import RUN_DIR_ENV, TrainingError
 
     cfg = training_config(tmp_path, "slow", "--training.num_steps=400", "--checkpoint.interval_steps=2",
                           "--faults.schedule=", "--training.timeout_seconds=20")
@@ -127,14 +115,14 @@ def test_cancelling_the_train_step_stops_every_process_of_the_job(tmp_path, toke
     """SIGTERM is what a KFP cancel or a deleted pod delivers to the step."""
     import sys
 
-    from components.train import RUN_DIR_ENV
+    from components.train.local import RUN_DIR_ENV
 
     cfg = training_config(tmp_path, "cancelled", "--training.num_steps=400", "--checkpoint.interval_steps=2",
                           "--faults.schedule=")
     config_path = tmp_path / "step-config.yaml"
     config_path.write_text(cfg.to_yaml())
     script = ("from pathlib import Path; from trainer.config import load_config; "
-              "from components.train import run_local_training; "
+              "from components.train.local import run_local_training; "
               f"run_local_training(load_config({str(config_path)!r}), Path({str(token_dir)!r}))")
     step = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -5,7 +5,7 @@ import json
 import boto3
 import pytest
 
-from components.stage import MULTIPART_THRESHOLD, StageError, stage_dataset
+from components.stage.staging import MULTIPART_THRESHOLD, StageError, stage_dataset
 from pipelines.demo_data import upload_corpus
 from trainer.config import load_config
 
@@ -93,14 +93,14 @@ def test_prefix_without_text_files_is_refused(s3, tmp_path):
 def test_throttling_and_access_denied_say_what_to_do():
     from botocore.exceptions import ClientError
 
-    from components.stage import _s3_error
+    from components.stage.staging import s3_error
 
     def error(code, status):
         return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
 
-    assert "lower data.max_workers" in str(_s3_error(error("SlowDown", 503), "s3://b/k"))
-    assert "lower data.max_workers" in str(_s3_error(error("InternalError", 500), "s3://b/k"))
-    assert "s3:GetObject" in str(_s3_error(error("AccessDenied", 403), "s3://b/k"))
+    assert "lower data.max_workers" in str(s3_error(error("SlowDown", 503), "s3://b/k"))
+    assert "lower data.max_workers" in str(s3_error(error("InternalError", 500), "s3://b/k"))
+    assert "s3:GetObject" in str(s3_error(error("AccessDenied", 403), "s3://b/k"))
 
 
 def test_single_part_objects_without_s3_checksums_are_checked_by_md5(s3, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from components.stage import StageError, stage_dataset
+from components.stage.staging import StageError, stage_dataset
 from trainer.config import load_config
 
 pytestmark = pytest.mark.integration

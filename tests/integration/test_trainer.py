@@ -4,8 +4,10 @@ import shutil
 
 import pytest
 
-from components.train import TrainingError, read_metrics, run_local_training
-from trainer.checkpoint import committed_checkpoints, verify_checkpoint
+from components.train.local import TrainingError, run_local_training
+
+from components.train.report import read_metrics
+from trainer.checkpoint.format import committed_checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.integration
 

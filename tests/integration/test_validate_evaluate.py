@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from components.evaluate import evaluate_checkpoint
-from components.validate import CheckpointValidationError, validate_checkpoint
-from trainer.checkpoint import MANIFEST, write_manifest
+from components.evaluate.heldout import evaluate_checkpoint
+from components.validate.checks import CheckpointValidationError, check_checkpoint
+from trainer.checkpoint.format import MANIFEST, write_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def checkpoint_copy(trained_run, tmp_path):
 
 def test_valid_checkpoint_passes_every_check(checkpoint_copy, trained_run):
     cfg, _ = trained_run
-    report = validate_checkpoint(checkpoint_copy, expected_run_id=cfg.run.run_id)
+    report = check_checkpoint(checkpoint_copy, expected_run_id=cfg.run.run_id)
     assert report["checks_passed"] == ["manifest", "dcp_metadata", "reshard_load", "finite"]
     assert report["world_size"] == 2 and report["step"] == 8 and report["bytes"] > 0
     assert report["optimizer_tensors"] > 0
@@ -33,19 +33,19 @@ def test_truncated_shard_fails_naming_the_file(checkpoint_copy):
     shard = sorted(checkpoint_copy.glob("*.distcp"))[1]
     shard.write_bytes(shard.read_bytes()[:-100])
     with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: \d+ bytes, manifest says \d+ \(truncated"):
-        validate_checkpoint(checkpoint_copy)
+        check_checkpoint(checkpoint_copy)
 
 
 def test_missing_shard_fails_naming_the_file(checkpoint_copy):
     shard = sorted(checkpoint_copy.glob("*.distcp"))[0]
     shard.unlink()
     with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: listed in the manifest but missing"):
-        validate_checkpoint(checkpoint_copy)
+        check_checkpoint(checkpoint_copy)
 
 
 def test_a_checkpoint_of_another_run_fails(checkpoint_copy):
     with pytest.raises(CheckpointValidationError, match=r"written by run '.*', not 'some-other-run'"):
-        validate_checkpoint(checkpoint_copy, expected_run_id="some-other-run")
+        check_checkpoint(checkpoint_copy, expected_run_id="some-other-run")
 
 
 def test_a_manifest_copied_from_another_checkpoint_fails(checkpoint_copy, trained_run):
@@ -53,7 +53,7 @@ def test_a_manifest_copied_from_another_checkpoint_fails(checkpoint_copy, traine
     other = sorted(p for p in cfg.checkpoint_dir.glob("step-*") if p.name != checkpoint_copy.name)[0]
     shutil.copy(other / MANIFEST, checkpoint_copy / MANIFEST)
     with pytest.raises(CheckpointValidationError, match="differs from the manifest|manifest says|records step"):
-        validate_checkpoint(checkpoint_copy)
+        check_checkpoint(checkpoint_copy)
 
 
 def test_flipped_byte_in_a_shard_fails_naming_the_file(checkpoint_copy):
@@ -62,20 +62,20 @@ def test_flipped_byte_in_a_shard_fails_naming_the_file(checkpoint_copy):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointValidationError, match=rf"{shard.name}: content hash \(xxh3_128\) differs"):
-        validate_checkpoint(checkpoint_copy)
+        check_checkpoint(checkpoint_copy)
 
 
 def test_missing_manifest_fails(checkpoint_copy):
     (checkpoint_copy / MANIFEST).unlink()
     with pytest.raises(CheckpointValidationError, match="manifest missing"):
-        validate_checkpoint(checkpoint_copy)
+        check_checkpoint(checkpoint_copy)
 
 
 def test_nan_weights_fail_even_with_a_consistent_manifest(checkpoint_copy):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint import load_model_from_checkpoint
+    from trainer.checkpoint.format import load_model_from_checkpoint
 
     model, manifest = load_model_from_checkpoint(checkpoint_copy)
     state = {"model": model.state_dict()}
@@ -86,7 +86,7 @@ def test_nan_weights_fail_even_with_a_consistent_manifest(checkpoint_copy):
     write_manifest(poisoned, 8, {**{k: v for k, v in manifest.items() if k not in ("files", "step", "libraries")},
                                  "world_size": 1})  # saved by one process
     with pytest.raises(CheckpointValidationError, match="parameter .* NaN or Inf"):
-        validate_checkpoint(poisoned)
+        check_checkpoint(poisoned)
 
 
 def test_nan_optimizer_state_fails(checkpoint_copy):
@@ -107,7 +107,7 @@ def test_nan_optimizer_state_fails(checkpoint_copy):
     write_manifest(poisoned, 8, {**{k: v for k, v in manifest.items() if k not in ("files", "step", "libraries")},
                                  "world_size": 1})
     with pytest.raises(CheckpointValidationError, match=rf"optimizer state {key} holds NaN or Inf"):
-        validate_checkpoint(poisoned)
+        check_checkpoint(poisoned)
 
 
 def test_evaluation_reports_heldout_loss_and_perplexity(trained_run, token_dir):

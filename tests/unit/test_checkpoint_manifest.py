@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from trainer.checkpoint import (MANIFEST, committed_checkpoints, latest_valid_checkpoint, step_dir_name,
+from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, latest_valid_checkpoint, step_dir_name,
                                 verify_checkpoint, write_manifest)
 
 
@@ -70,7 +70,7 @@ def test_manifest_is_json_with_sizes(tmp_path):
 def _manager(directory, keep_last):
     import torch
 
-    from trainer.checkpointer import CheckpointManager
+    from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import CheckpointConfig
     from trainer.events import EventLog
 
@@ -124,14 +124,14 @@ def test_save_drills_parse_and_fire_once_at_their_point(tmp_path):
     import os
 
     from trainer.events import EventLog
-    from trainer.faults import FaultInjector, parse_schedule
+    from trainer.resilience.faults import FaultInjector, parse_schedule
 
     faults = parse_schedule("kill_before_rename@6, kill_during_retention@8:rank=1")
     with pytest.raises(ValueError, match="takes TYPE@STEP"):
         parse_schedule("kill_before_rename@t=5s")
     killed = []
     injector = FaultInjector(faults, 0, EventLog(tmp_path, 0), set(), run_started_at=0.0, slow_seconds=0)
-    import trainer.faults as module
+    import trainer.resilience.faults as module
 
     real_kill = os.kill
     module.os.kill = lambda pid, sig: killed.append((pid, sig))

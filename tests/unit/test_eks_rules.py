@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from components.trainjob import build_trainjob
+from components.train.trainjob import build_trainjob
 from tests.kube import MANIFESTS, ROOT, build, grants, pod_templates
 from tests.pod_security import violations
 from trainer.config import load_config
@@ -52,7 +52,7 @@ KFP_RUN_NEEDS = [("", "configmaps", "get"), ("", "configmaps", "list"), ("", "co
                  ("", "secrets", "get"), ("", "pods", "get"), ("", "pods", "list"), ("", "pods", "watch"),
                  ("", "pods/log", "get"), ("argoproj.io", "workflowtaskresults", "create"),
                  ("argoproj.io", "workflowtaskresults", "patch")]
-# What the TrainJob launcher (components/trainjob.py) does in the training namespace, and cluster-wide.
+# What the TrainJob launcher (components/train/trainjob.py) does in the training namespace, and cluster-wide.
 LAUNCHER_NEEDS = [("trainer.kubeflow.org", "trainjobs", verb) for verb in ("create", "get", "list", "watch", "delete")] + [
     ("", "pods", "list"), ("", "pods/log", "get")]
 
@@ -130,7 +130,7 @@ def test_the_checker_refuses_what_admission_refuses():
 def test_efa_memlock_is_checked_at_start_instead_of_a_capability():
     import resource
 
-    from trainer.health import efa_memlock_check
+    from trainer.resilience.health import efa_memlock_check
 
     assert efa_memlock_check({}) is None
     unlimited = efa_memlock_check({"FI_PROVIDER": "efa"},
@@ -172,8 +172,8 @@ def test_an_fsx_root_the_pipeline_cannot_write_says_how_to_prepare_it(tmp_path, 
     """What uid 10001 meets on an unprepared FSx root: EACCES from mkdir (simulated: tests may run as root)."""
     import pathlib
 
-    from components.stage import StageError, stage_dataset
-    from components.steps import RunFolderError, prepare_step
+    from components.stage.staging import StageError, stage_dataset
+    from components.prepare.step import RunFolderError, run_prepare
 
     cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=denied"])
     real_mkdir = pathlib.Path.mkdir
@@ -185,7 +185,7 @@ def test_an_fsx_root_the_pipeline_cannot_write_says_how_to_prepare_it(tmp_path, 
 
     monkeypatch.setattr(pathlib.Path, "mkdir", denied)
     with pytest.raises(RunFolderError, match=r"cannot create .*/runs/denied as uid \d+.*fsx-prepare"):
-        prepare_step(cfg)
+        run_prepare(cfg)
     with pytest.raises(StageError, match=r"cannot create .*datasets/demo as uid \d+.*fsx-prepare"):
         stage_dataset(cfg.data, cfg.dataset_dir, cfg.fsx_root)
 
@@ -233,7 +233,7 @@ def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
 
 
 def test_node_rank_0_hosts_the_rendezvous_explicitly_and_unknown_flags_are_dropped_for_old_nvrx(monkeypatch):
-    from trainer import nvrx_compat
+    from trainer.resilience import nvrx_compat
 
     args = ["--max-restarts=3", "--ft-node-health-check-endpoint=/var/run/nvhcd.sock", "--rdzv-backend=c10d",
             "--rdzv-conf=join_timeout=600", "-m", "trainer"]
@@ -290,7 +290,7 @@ def test_the_stage_tasks_cache_key_holds_no_per_run_value():
     that differs between runs over the same data (run id, trigger) — submit adds run.run_id to overrides."""
     import json
 
-    from components.steps import staging_config_json
+    from components.stage.step import staging_config_json
 
     ir = next(yaml.safe_load_all((ROOT / "tests" / "golden" / "pipeline-eks.yaml").read_text()))
     dag = ir["root"]["dag"]["tasks"]["exit-handler-1"]

@@ -10,7 +10,7 @@ import boto3
 import pytest
 from botocore.stub import ANY, Stubber
 
-from components.fsx import FsxError, stage_via_dra
+from components.stage.fsx import FsxError, stage_via_dra
 
 FS = "fs-0123456789abcdef0"
 FSX_PATH = "/datasets/demo/raw"
@@ -150,7 +150,7 @@ def test_a_failed_import_names_the_report(fsx, tmp_path):
 
 
 def test_an_import_that_outlasts_the_timeout_is_reported(fsx, tmp_path, monkeypatch):
-    import components.fsx as fsx_module
+    import components.stage.fsx as fsx_module
 
     client, stubber = fsx
     expect_describe_fs(stubber)
@@ -234,7 +234,7 @@ def test_a_retried_import_reuses_its_token_and_changed_data_gets_a_new_one(tmp_p
 
 
 def test_a_missing_lfs_skips_the_preload_loudly_and_says_so(tmp_path, monkeypatch, caplog):
-    from components.fsx import preload
+    from components.stage.fsx import preload
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no lfs on it
     (tmp_path / "a.txt").write_text("x")

@@ -7,7 +7,9 @@
   that wanted another torch, or kfp's pins, would fail here instead of in the image build.
 """
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -67,3 +69,13 @@ def test_the_dockerfiles_build_what_the_configs_and_manifests_expect():
     assert "-c constraints.txt" in pipeline and "download.pytorch.org/whl/cpu" in pipeline
     for text in (trainer, pipeline):
         assert "USER 10001" in text
+
+
+def test_the_images_smoke_imports_name_modules_that_exist():
+    """Each Dockerfile ends its build with `python -c "import …"`; a renamed module must fail here, not in CI's
+    image build."""
+    for dockerfile in ("trainer.Dockerfile", "pipeline.Dockerfile"):
+        [imports] = re.findall(r'python -c "import ([\w., ]+)', (DOCKER / dockerfile).read_text())
+        for module in (m.strip() for m in imports.split(",")):
+            if module.split(".")[0] in ("components", "pipelines", "trainer"):
+                assert importlib.util.find_spec(module) is not None, f"{dockerfile} imports {module}: no such module"

@@ -5,29 +5,18 @@ one file; pod security holds everywhere."""
 
 import json
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.crd_schema import crd_errors, known_kinds
+from tests.kube import MANIFESTS, ROOT, kustomize
 
-ROOT = Path(__file__).resolve().parents[2]
-MANIFESTS = ROOT / "manifests"
 OVERLAYS = sorted(p.parent for p in (MANIFESTS / "overlays").glob("*/kustomization.yaml"))
 TOOLS = ROOT / ".venv-tools" / "bin"
 KUBERNETES_VERSION = "1.33.0"  # EKS standard support
 NO_SCHEMA = {("monitoring.coreos.com/v1", "PodMonitor")}  # Prometheus Operator CRD: not kept here, checked by shape
-
-
-def kustomize(path: Path) -> str:
-    if shutil.which("kubectl") is None:
-        pytest.fail("kubectl not found: install it (https://kubernetes.io/docs/tasks/tools/); it includes kustomize")
-    built = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    return built.stdout
 
 
 def tool(name: str) -> str:
@@ -140,7 +129,7 @@ def test_prod_sizes_and_gang_admission(built):
 
 
 def test_the_launchers_trainjob_matches_the_runtime():
-    from components.trainjob import build_trainjob
+    from components.train.trainjob import build_trainjob
     from trainer.config import load_config
 
     cfg = load_config("pipelines/configs/eks-prod.yaml", ["--run.run_id=x"])

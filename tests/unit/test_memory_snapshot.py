@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.memory_snapshot import MemorySnapshot
+from trainer.checkpoint.memory import MemorySnapshot
 
 
 def _state(scale: float) -> dict:

@@ -1,11 +1,10 @@
 """The key -> path mapping's rules, as pure logic (the real S3 server is in tests/integration/test_stage_keys.py)."""
 
-from pathlib import Path
 
 import pytest
 
-from components import object_paths
-from components.object_paths import map_objects, relative_path
+from components.stage import object_paths
+from components.stage.object_paths import map_objects, relative_path
 
 
 def objects(*keys, size=1):

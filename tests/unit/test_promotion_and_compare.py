@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from components.promotion import decide
+from components.evaluate.promotion import decide
 from pipelines.compare import COLUMNS, render
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from trainer.config import load_config
-from trainer.train import lr_at
+from trainer.trainer import lr_at
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -21,7 +21,7 @@ def test_run_shorter_than_warmup_is_all_warmup():
 
 
 def test_xids_that_take_a_node_out_of_service():
-    from trainer.health import classify_xids
+    from trainer.resilience.health import classify_xids
 
     assert classify_xids([13, 31]) == {"xids": [13, 31], "node_bad": False, "node_bad_xids": []}
     assert classify_xids([79, 94, 94]) == {"xids": [79, 94], "node_bad": True, "node_bad_xids": [94]}
@@ -31,7 +31,7 @@ def test_gpu_health_is_a_no_op_on_cpu(tmp_path):
     import torch
 
     from trainer.events import EventLog
-    from trainer.health import GpuHealth
+    from trainer.resilience.health import GpuHealth
 
     health = GpuHealth(torch.device("cpu"), EventLog(tmp_path, 0), interval_steps=1)
     assert not health.enabled

@@ -1,6 +1,6 @@
 import pytest
 
-from components.steps import resolve_config
+from components.context import resolve_config
 from trainer.config import ConfigError, load_config
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from components.trainjob import (EXIT_INFRASTRUCTURE, InfrastructureError, TrainJobFailed, TrainJobLauncher,
+from components.train.trainjob import (EXIT_INFRASTRUCTURE, InfrastructureError, TrainJobFailed, TrainJobLauncher,
                                  build_trainjob, job_state, trainjob_name)
 from tests.crd_schema import crd_errors
 from trainer.config import load_config
@@ -126,14 +126,14 @@ def test_a_failed_job_is_reported_again_by_a_retried_launcher_never_resubmitted(
 
 
 def test_a_cancelled_step_deletes_its_trainjob_and_so_does_the_exit_handler(cfg):
-    from components.train import JobCancelled
-    from components.trainjob import delete_unfinished_trainjob
+    from components.train.local import JobCancelled
+    from components.train.trainjob import delete_unfinished_trainjob
 
     class Cancelling(FakeCustomObjects):
         deleted = []
 
         def get_namespaced_custom_object(self, *args):
-            job = super().get_namespaced_custom_object(*args)
+            super().get_namespaced_custom_object(*args)
             raise JobCancelled("SIGTERM")  # KFP cancelled the run while the launcher was waiting
 
         def delete_namespaced_custom_object(self, group, version, namespace, plural, name, propagation_policy=None):

@@ -1,0 +1,1 @@
+"""The validate step: its KFP wrapper (component.py) and its logic (step.py and the modules beside it)."""

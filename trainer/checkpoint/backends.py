@@ -1,0 +1,148 @@
+"""Checkpoint write backends: one DCP checkpoint into a folder, synchronously or in the background.
+
+- ``sync``: ``dcp.save``; the loop waits for the whole write (the baseline).
+- ``torch-async`` (CPU, or CUDA without NVRx): ``dcp.async_save`` with the process-based executor on its
+  *own* gloo group (on the default group it hangs or aborts in gloo), staging into reused shared-memory
+  buffers so only a warm memcpy blocks the loop.
+- ``nvrx-async`` (CUDA): NVRx's ``FileSystemWriterAsync`` + persistent ``AsyncCallsQueue``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from trainer.config import CheckpointConfig
+from trainer.resilience import nvrx_compat
+
+class PendingWrite:
+    """A write that may still be running; wait() re-raises its failure."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class _FutureWrite(PendingWrite):
+    def __init__(self, future: Future, on_poll: Callable[[], None] = lambda: None):
+        self.future = future
+        self.on_poll = on_poll
+
+    def done(self) -> bool:
+        self.on_poll()
+        return self.future.done()
+
+    def wait(self) -> None:
+        self.future.result()
+
+
+class SyncBackend:
+    name = "sync"
+
+    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+        dcp.save(state, checkpoint_id=str(folder))
+        return PendingWrite()
+
+    def close(self) -> None:
+        return None
+
+
+class TorchAsyncBackend:
+    """dcp.async_save in a background process, on a dedicated gloo group, with reused staging buffers."""
+
+    name = "torch-async"
+
+    def __init__(self, device: torch.device, nice: int):
+        self.nice = nice
+        self._reniced: set[int] = set()
+        # Its own group with a long timeout: background writes may take minutes, and the main group's
+        # timeout can be short (in-process restart on gloo).
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+        on_cuda = device.type == "cuda"
+        # Shared memory: the background process reads the staged tensors in place instead of receiving
+        # pickled copies. The stager caches these buffers, so later saves copy into warm memory.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
+                                                   use_async_staging=False, use_non_blocking_copy=False))
+
+    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+        # Plan caching: the state's layout is the same every save, so the persistent background process
+        # skips re-planning (a round of collectives) after the first save.
+        response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
+                                  planner=DefaultSavePlanner(enable_plan_caching=True),
+                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+        # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
+        return _FutureWrite(getattr(response, "upload_completion", response), on_poll=self._renice_writer)
+
+    def _renice_writer(self) -> None:
+        """Lower the priority of DCP's writer process (our child, started lazily on the first save)."""
+        if not self.nice:
+            return
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in self._reniced:
+                try:
+                    child.nice(max(child.nice(), self.nice))
+                except psutil.Error:
+                    continue
+                self._reniced.add(child.pid)
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class NvrxAsyncBackend:
+    """NVRx's async DCP writer with a persistent worker (GPU). Every rank must poll at the same steps."""
+
+    name = "nvrx-async"
+
+    def __init__(self) -> None:
+        self._compat = nvrx_compat
+        self.queue = nvrx_compat.async_calls_queue(persistent=True)
+
+    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+        writer = self._compat.filesystem_writer_async(str(folder))
+        plan = self._compat.plan_async_save(state, writer)
+        finished = {"done": False}
+        request = self._compat.async_request(writer, plan, lambda: finished.update(done=True))
+        self.queue.schedule_async_request(request)
+        backend = self
+
+        class _NvrxWrite(PendingWrite):
+            def done(self) -> bool:
+                # Collective across ranks: called by every rank at the same step (maybe_save's poll).
+                backend.queue.maybe_finalize_async_calls(blocking=False, no_dist=False)
+                return finished["done"]
+
+            def wait(self) -> None:
+                backend.queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+                assert finished["done"], "NVRx finalized the queue without running the finalize function"
+
+        return _NvrxWrite()
+
+    def close(self) -> None:
+        self.queue.close()
+
+
+def make_backend(cfg: CheckpointConfig, device: torch.device):
+    if cfg.mode == "sync":
+        return SyncBackend()
+    backend = cfg.async_backend
+    if backend == "auto":
+        backend = "nvrx" if device.type == "cuda" and nvrx_compat.nvrx_available() else "torch"
+    if backend == "nvrx":
+        if device.type != "cuda":
+            raise ValueError("checkpoint.async_backend: nvrx needs CUDA (TorchAsyncCheckpoint and its writer "
+                             "synchronize the GPU); use torch or auto on CPU")
+        return NvrxAsyncBackend()
+    return TorchAsyncBackend(device, cfg.background_nice)

@@ -1,0 +1,204 @@
+"""The checkpoint format: sharded DCP folders committed through a manifest, and loading one into a model.
+
+Layout of one checkpoint directory::
+
+    <dir>/step-000100.tmp/   while being written (never read)
+    <dir>/step-000100/       committed: DCP shards + .metadata + manifest.json
+
+Commit: every rank writes its shards into ``step-N.tmp``; after a barrier rank 0 writes ``manifest.json``
+(every file with size and content hash, the step, world size, model config, config hash, library versions)
+and renames the folder to ``step-N``. A checkpoint counts only when its manifest verifies, so a crash at
+any point leaves either the previous checkpoints or a complete new one — never a half-written "latest".
+DCP itself has no checksums and reads non-tensor items with pickle, which is why nothing is loaded from a
+folder whose manifest did not verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+import warnings
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+import xxhash
+from transformers import LlamaConfig
+
+from trainer.model import build_model, set_special_token_ids
+from trainer.run_dir import write_json
+from trainer.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the folder and file."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+HASH_ALGORITHM = "xxh3_128"
+
+
+def _hasher(algorithm: str):
+    if algorithm == "xxh3_128":
+        return xxhash.xxh3_128()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise CheckpointError(f"unknown manifest hash algorithm {algorithm!r}")
+
+
+def hash_file(path: Path, algorithm: str = HASH_ALGORITHM, chunk_bytes: int = 8 << 20) -> str:
+    """Content hash for corruption detection (not tamper-proofing: the manifest sits beside the data)."""
+    digest = _hasher(algorithm)
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for package in ("torch", "transformers", "nvidia-resiliency-ext", "resilient-train"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "absent"
+    return versions
+
+
+def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[str, Any]:
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "hash": hash_file(path)}
+    manifest = {"manifest_version": MANIFEST_VERSION, "step": step, "created_at": time.time(),
+                "hash_algorithm": HASH_ALGORITHM,
+                "libraries": library_versions(), **metadata, "files": files}
+    write_json(folder / MANIFEST, manifest, fsync=True)
+    # The folder's entries (shards, .metadata, the manifest's rename) reach the disk before the folder itself
+    # is renamed into place: after a power loss a committed name never points at missing entries.
+    fsync_dir(folder)
+    return manifest
+
+
+@dataclass
+class Verification:
+    """Outcome of checking one checkpoint folder against its manifest."""
+
+    path: Path
+    problems: list[str]
+    manifest: dict[str, Any] | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_checkpoint(folder: Path) -> Verification:
+    """Check that every file the manifest lists exists with its size and content hash."""
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not folder.is_dir():
+        return Verification(folder, [f"{folder}: checkpoint folder does not exist"], None)
+    if not manifest_path.is_file():
+        return Verification(folder, [f"{manifest_path}: manifest missing (checkpoint never committed)"], None)
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        listed = manifest["files"]
+        algorithm = manifest["hash_algorithm"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        return Verification(folder, [f"{manifest_path}: unreadable manifest ({err})"], None)
+    problems = []
+    if ".metadata" not in listed:
+        problems.append(f"{manifest_path}: lists no DCP .metadata file")
+    for name, expected in listed.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path}: listed in the manifest but missing")
+            continue
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            problems.append(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated or overwritten)")
+        elif hash_file(path, algorithm) != expected["hash"]:
+            problems.append(f"{path}: content hash ({algorithm}) differs from the manifest (corrupted)")
+    return Verification(folder, problems, manifest)
+
+
+STALE_SUFFIXES = (".tmp", ".deleting")  # a save that never committed; a deletion that never finished
+_REPLACED = re.compile(r"^step-\d+\.replaced-\d+$")
+
+
+def stale_folders(directory: Path) -> list[Path]:
+    """Folders a crash left behind: never committed, or half deleted. None of them is ever read."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(child for child in directory.iterdir() if child.is_dir() and child.name.startswith("step-")
+                  and (child.name.endswith(STALE_SUFFIXES) or _REPLACED.match(child.name)))
+
+
+def committed_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed-looking folder, oldest first; not yet verified."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_valid_checkpoint(directory: Path) -> Verification | None:
+    """The newest checkpoint whose manifest verifies; broken newer ones are logged and skipped."""
+    for step, folder in reversed(committed_checkpoints(directory)):
+        result = verify_checkpoint(folder)
+        if result.ok:
+            return result
+        log.warning("skipping checkpoint %s (step %d): %s", folder, step, "; ".join(result.problems))
+    return None
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_model_from_checkpoint(folder: Path, verified: Verification | None = None):
+    """An unsharded LlamaForCausalLM with the checkpoint's weights, in this one process.
+
+    Works for any world size the checkpoint was written with (DCP reshards on load). The manifest is
+    verified first unless a passing Verification is given: DCP metadata is only read from verified folders.
+    """
+    verified = verified or verify_checkpoint(folder)
+    if not verified.ok:
+        raise CheckpointError("; ".join(verified.problems))
+    config = LlamaConfig.from_dict(verified.manifest["model_config"])
+    model = build_model(config, seed=0)
+    # From the tokenizer the checkpoint was trained with: also right for checkpoints whose model config still
+    # carries LlamaConfig's default ids.
+    set_special_token_ids(model, load_tokenizer(verified.manifest.get("tokenizer", "byte")).special_token_ids())
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns about single-process loads even when asked for one
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    model.load_state_dict(state["model"])
+    model.eval()
+    return model, verified.manifest

@@ -1,0 +1,65 @@
+"""The trainer's command line: `python -m trainer`, under a launcher or alone.
+
+Runbook (from the repository root, after the stage step has written token shards):
+
+    # 2 CPU ranks (gloo), the local config
+    torchrun --standalone --nproc-per-node 2 -m trainer --config local --data-dir work/fsx/datasets/demo \
+        --run.run_id=try1
+
+    # one process, no launcher
+    python -m trainer --config local --data-dir work/fsx/datasets/demo --run.run_id=try1
+
+Any ``--section.key=value`` after the known flags overrides the config. Rank 0 writes
+``<run_dir>/metrics.jsonl`` (one line per step) and ``result.json`` at the end. Exit code 2 names a bad
+config field. With resilience.in_process the training runs inside NVRx's in-process restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from trainer import logs
+from trainer.config import ConfigError, load_config
+from trainer.resilience.in_process import InProcessAttempt, run_with_in_process_restart
+from trainer.trainer import Trainer
+
+log = logging.getLogger("trainer")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config path or bundled name (e.g. local)")
+    parser.add_argument("--data-dir", required=True, type=Path, help="folder with token shards (tokens.json)")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logs.configure()
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        if not cfg.run.run_id:
+            raise ConfigError("run.run_id: must be set for training (pass --run.run_id=NAME)")
+    except ConfigError as err:
+        log.error("%s", err)
+        return 2
+
+    def train(attempt: InProcessAttempt | None = None) -> None:
+        trainer = Trainer(cfg, args.data_dir, in_process=attempt)
+        finished = False
+        try:
+            trainer.train()
+            finished = True
+        finally:
+            # After a fault the peers may be gone: the save in flight is dropped, not waited for.
+            trainer.close(wait_for_checkpoint=finished or attempt is None)
+
+    if cfg.resilience.in_process:
+        run_with_in_process_restart(cfg, train)
+    else:
+        train()
+    return 0

@@ -1,0 +1,159 @@
+"""Loading a configuration: YAML (a file or a bundled name) plus ``--section.key=value`` overrides, with
+errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trainer.config.rules import ConfigError
+from trainer.config.tree import Config
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "pipelines" / "configs"
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _coerce(name: str, annotation: Any, value: Any) -> Any:
+    """Convert a YAML value or an override string to the field's type, or raise naming the field."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{name}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"unsupported annotation for {name}")
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on", "false", "no", "0", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        number = None
+        if isinstance(value, (int, float)):
+            number = float(value)
+        elif isinstance(value, str):
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is None:
+            raise ConfigError(f"{name}: expected a number, got {value!r}")
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}: must be a finite number, got {value!r}")
+        return number
+    if annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    raise AssertionError(f"unsupported annotation {annotation!r} for {name}")
+
+
+def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
+    return ConfigError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid)}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested plain data (parsed YAML)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"configuration must be a mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+    built: dict[str, Any] = {}
+    for section_name, values in raw.items():
+        if section_name not in sections:
+            raise _unknown("section", section_name, list(sections))
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section_name}: expected a mapping of keys, got {values!r}")
+        section_cls = sections[section_name]
+        types_ = _field_types(section_cls)
+        kwargs = {}
+        for key, value in values.items():
+            full = f"{section_name}.{key}"
+            if key not in types_:
+                raise _unknown("key", full, [f"{section_name}.{k}" for k in types_])
+            kwargs[key] = _coerce(full, types_[key], value)
+        built[section_name] = section_cls(**kwargs)
+    return Config(**built)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, str]]:
+    """Turn ['--training.num_steps=5', 'run.seed=1'] into {'training': {'num_steps': '5'}, ...}."""
+    nested: dict[str, dict[str, str]] = {}
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        key, sep, value = text.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r} must look like --section.key=value")
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    return nested
+
+
+def resolve_config_path(config: str | Path) -> Path:
+    """A path to a YAML file, or the name of a bundled config (e.g. 'local' for configs/local.yaml)."""
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path
+    bundled = CONFIG_DIR / f"{config}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config file {str(config)!r} not found; pass a YAML path or one of: {', '.join(names)}")
+
+
+def load_config(config: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML config (path or bundled name; None for defaults) and apply overrides."""
+    raw: dict[str, Any] = {}
+    if config is not None:
+        path = resolve_config_path(config)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return merge_overrides(raw, overrides)
+
+
+def merge_overrides(raw: dict[str, Any], overrides: list[str]) -> Config:
+    merged = {section: dict(values or {}) for section, values in raw.items()}
+    for section, values in parse_overrides(list(overrides)).items():
+        merged.setdefault(section, {}).update(values)
+    return config_from_dict(merged)
+
+
+def config_from_yaml_text(text: str, overrides: list[str] = ()) -> Config:
+    """Config from YAML or JSON text (JSON is YAML) plus overrides."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"configuration text is not valid YAML/JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError("configuration YAML must be a mapping of sections")
+    return merge_overrides(raw, overrides)

@@ -1,0 +1,191 @@
+"""The sections only the pipeline and the platform read: evaluation, MLflow, the local stack, Kubernetes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.config.rules import require
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of the validated checkpoint."""
+
+    batch_size: int = 8
+    """Sequences per evaluation batch."""
+
+    max_batches: int = 20
+    """Upper bound on evaluation batches (the held-out split may be smaller)."""
+
+    prompts: str = "The|Once upon a time|In the beginning"
+    """Fixed prompts for greedy sample generations ('|'-separated); logged as generations.json."""
+
+    max_new_tokens: int = 48
+    """Tokens generated per prompt (0 = no generations)."""
+
+    register: bool = True
+    """Compare with the registered champion and, if better, register the model and move the alias."""
+
+    registered_model_name: str = "resilient-train-llama"
+    """MLflow Model Registry name of the model line whose champion the candidate is compared with."""
+
+    promotion_threshold: float = 0.0
+    """Relative held-out-loss improvement over the champion required to promote (0.01 = 1 % lower)."""
+
+    promotion_wait_seconds: float = 1800.0
+    """Concurrent runs: how long a candidate waits for earlier candidates to be decided before it treats one
+    as abandoned (its run died mid-gate). Covers an evaluation of the champion."""
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
+        require(self.max_batches >= 1, "eval.max_batches", "must be >= 1")
+        require(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
+        require(0.0 <= self.promotion_threshold < 1.0, "eval.promotion_threshold", "must be in [0, 1)")
+        require(self.promotion_wait_seconds > 0, "eval.promotion_wait_seconds", "must be > 0")
+        require(not self.register or bool(self.registered_model_name.strip()), "eval.registered_model_name",
+                 "must not be empty when eval.register is true")
+
+    @property
+    def prompt_list(self) -> list[str]:
+        return [p for p in (part.strip() for part in self.prompts.split("|")) if p]
+
+
+@dataclass
+class MlflowConfig:
+    """Experiment tracking."""
+
+    tracking_uri: str = ""
+    """MLflow tracking URI; empty means a sqlite store at <run.work_dir>/mlflow.db."""
+
+    artifact_location: str = ""
+    """Artifact root for a newly created experiment; empty means <run.work_dir>/mlartifacts
+    when the store is local, the server's default otherwise."""
+
+
+@dataclass
+class LocalConfig:
+    """The embedded local stack used when the pipeline runs on one machine."""
+
+    s3_server: bool = True
+    """Start an S3-compatible server (moto) on 127.0.0.1 for the run and point boto3 at it."""
+
+    upload_demo_data: bool = True
+    """Generate the demo corpus and upload it to data.s3_uri before the pipeline starts."""
+
+    demo_documents: int = 2000
+    """Documents in the generated demo corpus."""
+
+    def __post_init__(self) -> None:
+        require(self.demo_documents >= 10, "local.demo_documents", "must be >= 10")
+
+
+@dataclass
+class KubernetesConfig:
+    """Running on EKS: the train step creates a Kubeflow Trainer TrainJob; the pipeline's pods get these
+    settings through kfp-kubernetes. Ignored by the local runner unless enabled."""
+
+    enabled: bool = False
+    """Train through a TrainJob on the cluster (the launcher component) instead of on the step's machine."""
+
+    namespace: str = "resilient-train"
+    """Namespace of the TrainJobs (and, in multi-user KFP, of the pipeline's pods: the Profile namespace)."""
+
+    kfp_mode: Literal["standalone", "multi-user"] = "multi-user"
+    """How Kubeflow Pipelines is installed: 'multi-user' runs the pipeline's pods in the Profile namespace
+    kubernetes.namespace (submit and schedule pass it); 'standalone' runs them in kubernetes.kfp_namespace."""
+
+    kfp_namespace: str = "kubeflow"
+    """Standalone KFP: the namespace it runs every pipeline pod in (where the FSx claim and the pipeline
+    ServiceAccount must exist too: manifests/components/kfp-standalone)."""
+
+    image: str = "ghcr.io/example/resilient-train-trainer:latest"
+    """Training image of the TrainJob's pods (docker/trainer.Dockerfile: NGC PyTorch + EFA + NVRx >= 0.6)."""
+
+    pipeline_image: str = "ghcr.io/example/resilient-train-pipeline:latest"
+    """Slim CPU image of the pipeline's own steps and the MLflow server (docker/pipeline.Dockerfile)."""
+
+    fsx_throughput_mbps: float = 240.0
+    """Read throughput of the FSx file system in MB/s (SCRATCH_2: 200 MB/s per TiB of capacity), used to
+    size how long a resume may take (resilience.initial_heartbeat_timeout=0)."""
+
+    runtime_name: str = "resilient-train-fsdp-nvrx"
+    """ClusterTrainingRuntime the TrainJob references (manifests/base/trainer)."""
+
+    queue_name: str = "resilient-train"
+    """Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name); empty = no Kueue."""
+
+    service_account: str = "resilient-train-trainer"
+    """ServiceAccount of the training pods (IRSA: S3 checkpoints and data)."""
+
+    pipeline_service_account: str = "resilient-train-pipeline"
+    """ServiceAccount of the pipeline's own pods (IRSA: S3, FSx DRA calls; RBAC: TrainJobs)."""
+
+    fsx_pvc: str = "fsx-claim"
+    """PersistentVolumeClaim of the FSx for Lustre file system, mounted at data.fsx_root."""
+
+    gpus_per_node: int = 8
+    """nvidia.com/gpu per node (training.nproc_per_node should match)."""
+
+    efa_per_node: int = 32
+    """vpc.amazonaws.com/efa devices per node (32 on p5.48xlarge; 0 = no EFA)."""
+
+    shm_size: str = "256Gi"
+    """Size of the /dev/shm memory volume (NCCL, dataloaders, async checkpoint staging)."""
+
+    node_selector: str = "node.kubernetes.io/instance-type=p5.48xlarge"
+    """Training pods' node selector, comma-separated key=value pairs."""
+
+    tolerations: str = "nvidia.com/gpu:NoSchedule"
+    """Training pods' tolerations, comma-separated key[=value]:Effect."""
+
+    mlflow_secret: str = "mlflow-credentials"
+    """Secret whose keys become the pipeline pods' environment (MLFLOW_TRACKING_USERNAME, …); empty = none."""
+
+    prometheus_port: int = 9400
+    """Port of the trainer's /metrics on the cluster (training.prometheus_port is set from it)."""
+
+    launcher_poll_seconds: float = 30.0
+    """How often the launcher checks the TrainJob's state."""
+
+    step_retries: int = 2
+    """Retries (with backoff) of the stage step and the launcher on the cluster."""
+
+    def __post_init__(self) -> None:
+        require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace) is not None and len(self.namespace) <= 63,
+                 "kubernetes.namespace", "must be a DNS-1123 label")
+        require(bool(self.image.strip()), "kubernetes.image", "must not be empty")
+        require(bool(self.pipeline_image.strip()), "kubernetes.pipeline_image", "must not be empty")
+        require(self.kfp_mode in ("standalone", "multi-user"), "kubernetes.kfp_mode",
+                 "must be 'standalone' or 'multi-user'")
+        require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.kfp_namespace) is not None,
+                 "kubernetes.kfp_namespace", "must be a DNS-1123 label")
+        require(self.fsx_throughput_mbps > 0, "kubernetes.fsx_throughput_mbps", "must be > 0")
+        require(self.gpus_per_node >= 0 and self.efa_per_node >= 0, "kubernetes.gpus_per_node",
+                 "GPU and EFA counts must be >= 0")
+        require(self.launcher_poll_seconds > 0, "kubernetes.launcher_poll_seconds", "must be > 0")
+        require(self.step_retries >= 0, "kubernetes.step_retries", "must be >= 0")
+        for pair in filter(None, (p.strip() for p in self.node_selector.split(","))):
+            require("=" in pair, "kubernetes.node_selector", f"{pair!r} is not key=value")
+        for item in filter(None, (t.strip() for t in self.tolerations.split(","))):
+            require(item.rsplit(":", 1)[-1] in ("NoSchedule", "PreferNoSchedule", "NoExecute") and ":" in item,
+                     "kubernetes.tolerations", f"{item!r} is not key[=value]:NoSchedule|PreferNoSchedule|NoExecute")
+
+    @property
+    def pipeline_namespace(self) -> str:
+        """Where KFP runs the pipeline's pods: the Profile namespace (multi-user) or KFP's own (standalone)."""
+        return self.namespace if self.kfp_mode == "multi-user" else self.kfp_namespace
+
+    @property
+    def node_selector_map(self) -> dict[str, str]:
+        return dict(p.strip().split("=", 1) for p in self.node_selector.split(",") if p.strip())
+
+    @property
+    def toleration_list(self) -> list[dict[str, str]]:
+        tolerations = []
+        for item in filter(None, (t.strip() for t in self.tolerations.split(","))):
+            key_value, effect = item.rsplit(":", 1)
+            key, _, value = key_value.partition("=")
+            tolerations.append({"key": key, "operator": "Equal" if value else "Exists", **({"value": value} if value else {}),
+                                "effect": effect})
+        return tolerations

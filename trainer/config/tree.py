@@ -1,0 +1,90 @@
+"""The root of the configuration tree: one section per concern, the derived paths and the run's hashes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
+from trainer.config.rules import require
+from trainer.run_dir import RunDir
+from trainer.config.training import (CheckpointConfig, DataConfig, FaultsConfig, ModelConfig, ResilienceConfig,
+                                     RunConfig, TrainingConfig)
+
+@dataclass
+class Config:
+    """A whole run: one section per concern."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    local: LocalConfig = field(default_factory=LocalConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+
+    def __post_init__(self) -> None:
+        # The loader already refuses inf/nan; this covers a Config built in code.
+        for section in dataclasses.fields(self):
+            values = getattr(self, section.name)
+            for item in dataclasses.fields(values):
+                value = getattr(values, item.name)
+                if isinstance(value, float):
+                    require(math.isfinite(value), f"{section.name}.{item.name}", f"must be a finite number, got {value}")
+
+    # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
+    @property
+    def work_dir(self) -> Path:
+        return Path(self.run.work_dir).expanduser().resolve()
+
+    @property
+    def fsx_root(self) -> Path:
+        return Path(self.data.fsx_root).expanduser().resolve() if self.data.fsx_root else self.work_dir / "fsx"
+
+    @property
+    def dataset_dir(self) -> Path:
+        return self.fsx_root / "datasets" / self.data.dataset_name
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's folder on the shared file system: config, step results, logs, metrics,
+        checkpoints (by default) and summary.json. On EKS every pod sees it through the FSx mount."""
+        assert self.run.run_id, "run.run_id must be set before run paths are used"
+        return self.fsx_root / "runs" / self.run.run_id
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        if self.checkpoint.dir:
+            return Path(self.checkpoint.dir).expanduser().resolve()
+        return RunDir(self.run_dir).checkpoints
+
+    @property
+    def tracking_uri(self) -> str:
+        return self.mlflow.tracking_uri or f"sqlite:///{self.work_dir / 'mlflow.db'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """One line of JSON (also valid YAML): what the KFP pipeline's config_json parameter carries."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def config_hash(self) -> str:
+        """Hash of everything that shapes training (not run identity or local plumbing)."""
+        shaping = {k: v for k, v in self.to_dict().items() if k in ("data", "model", "training")}
+        shaping["data"] = {k: v for k, v in shaping["data"].items() if k not in ("fsx_root", "s3_endpoint_url")}
+        return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]

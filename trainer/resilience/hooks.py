@@ -1,0 +1,179 @@
+"""The resilience hooks of one training process: one call per step, and the record of a recovery.
+
+The training loop touches this in one place, ``hooks.after_step(step)`` (ft_launcher heartbeat, in-process
+progress ping, GPU health check, fault injection), and reports its resume with ``hooks.note_resume(...)``.
+Everything here is a no-op when not needed: no heartbeats unless the process runs under ft_launcher, no
+faults unless a schedule is configured, no recovery record on a first launch.
+
+A recovery record (event ``recovery``) is written by rank 0 after the first step of a restarted launch:
+fault type, rank and step (from the fault event, or ``unknown`` for a real crash), mechanism, restart
+iteration, reloaded step and source, lost steps, and the split of the recovery time — detect + tear down
+(fault → this process started), re-init (start → checkpoint load begins), reload, first step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import psutil
+
+from trainer.config import Config
+from trainer.events import EventLog, read_events
+from trainer.resilience import nvrx_compat
+from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
+from trainer.resilience.health import GpuHealth, efa_memlock_check
+
+log = logging.getLogger(__name__)
+
+LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
+JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
+
+
+def process_started_at() -> float:
+    """Wall-clock time this process started, to ~10 ms.
+
+    Not psutil's create_time(): it adds the start ticks to /proc/stat's btime, which is whole seconds, so a
+    worker restarted within a second of a fault can appear to have started before it.
+    """
+    try:
+        with open("/proc/self/stat") as handle:
+            after_name = handle.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as handle:
+            uptime = float(handle.read().split()[0])
+    except OSError:  # not Linux
+        return psutil.Process().create_time()
+    start_ticks = int(after_name[19])  # field 22, starttime, counted from field 3 (state)
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+class Heartbeat:
+    """ft_launcher's rank monitor client when the process runs under ft_launcher; otherwise nothing."""
+
+    def __init__(self) -> None:
+        self.client = nvrx_compat.rank_monitor_client() if nvrx_compat.under_ft_launcher() else None
+        if self.client is not None:
+            self.client.init_workload_monitoring()
+
+    def beat(self) -> None:
+        if self.client is not None:
+            self.client.send_heartbeat()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown_workload_monitoring()
+            self.client = None
+
+
+class ResilienceHooks:
+    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
+                 telemetry=None):
+        self.cfg = cfg
+        self.rank = rank
+        self.events = events
+        self.in_process = in_process
+        # For an in-process restart the "process" that restarts is the attempt, not the OS process.
+        self.process_started_at = in_process.started_at if in_process else process_started_at()
+        self.in_process_iteration = in_process.iteration if in_process else 0
+        self.ping = in_process.ping if in_process else (lambda: None)
+        self.telemetry = telemetry
+        self.restart_iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
+        self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
+        self.heartbeat = Heartbeat()
+        self.gpu_health = GpuHealth(device, events, cfg.resilience.gpu_health_interval_steps)
+
+        faults = parse_schedule(cfg.faults.schedule)
+        if cfg.faults.mtbf_steps > 0:
+            types = [t.strip() for t in cfg.faults.random_types.split(",") if t.strip()]
+            faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types, world_size,
+                                      cfg.faults.seed)
+        self.injector = FaultInjector(faults, rank, events, fired_fault_keys(cfg.run_dir),
+                                      run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds)
+        self._resume: dict[str, Any] | None = None
+        self._first_step_done = False
+
+    def _run_started_at(self) -> float:
+        launches = read_events(self.cfg.run_dir, "launch")
+        return launches[0]["time"] if launches else time.time()
+
+    def start(self) -> None:
+        """Called once the process group is up: record this launch (rank 0), check what EFA needs."""
+        if self.rank == 0:
+            self.events.write("launch", launcher=self.launcher, restart_iteration=self.restart_iteration,
+                              job_attempt=self.job_attempt, in_process_iteration=self.in_process_iteration,
+                              process_started_at=self.process_started_at)
+        memlock = efa_memlock_check(dict(os.environ))
+        if memlock is not None and not memlock["ok"]:
+            log.error("EFA: %s (memlock %s)", memlock["fix"], memlock["memlock_soft"])
+            self.events.write("efa_memlock", **memlock)
+
+    def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float,
+                    source: str = "disk") -> None:
+        self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
+                        "load_seconds": load_seconds, "source": source}
+
+    @property
+    def is_restart(self) -> bool:
+        return self.in_process_iteration > 0 or self.restart_iteration > 0 or self.job_attempt > 0
+
+    @property
+    def mechanism(self) -> tuple[str, int]:
+        """The innermost layer that restarted this attempt, and its iteration."""
+        if self.in_process_iteration > 0:
+            return "in_process", self.in_process_iteration
+        if self.restart_iteration > 0:
+            return self.launcher, self.restart_iteration
+        return "job_restart", self.job_attempt
+
+    def after_step(self, step: int) -> None:
+        """The loop's one call per step, after the checkpoint manager's: heartbeat, GPU health, the recovery
+        record after a restart, injected faults (last, so a fault at step N finds step N saved as usual)."""
+        self.heartbeat.beat()
+        self.ping()
+        self.gpu_health.maybe_check(step)
+        if not self._first_step_done:
+            self._first_step_done = True
+            if self.rank == 0 and self.is_restart:
+                self._record_recovery(step)
+        self.injector.maybe_inject(step)
+
+    def _record_recovery(self, step: int) -> None:
+        now = time.time()
+        recovered = {e.get("fault_key") for e in read_events(self.cfg.run_dir, "recovery")}
+        faults = [e for e in read_events(self.cfg.run_dir, "fault")
+                  if e["key"] not in recovered and e["time"] < self.process_started_at]
+        fault = faults[-1] if faults else None
+        resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0, "source": "none"}
+        fault_time = fault["time"] if fault else None
+        mechanism, iteration = self.mechanism
+        record = {
+            "fault_key": fault["key"] if fault else None,
+            "fault_type": fault["fault_type"] if fault else "unknown",
+            "fault_rank": fault["rank"] if fault else None,
+            "fault_step": fault["step"] if fault else None,
+            "fault_time": fault_time,
+            "mechanism": mechanism,
+            "restart_iteration": iteration,
+            "reloaded_step": resume["reloaded_step"],
+            "reload_source": resume["source"],
+            "lost_steps": (fault["step"] - resume["reloaded_step"]) if fault else None,
+            "detect_and_teardown_seconds": (self.process_started_at - fault_time) if fault_time else None,
+            "reinit_seconds": resume["load_started"] - self.process_started_at,
+            "reload_seconds": resume["load_seconds"],
+            "first_step_seconds": now - (resume["load_started"] + resume["load_seconds"]),
+            "recovery_seconds": (now - fault_time) if fault_time else None,
+            "first_step": step,
+        }
+        self.events.write("recovery", **record)
+        if self.telemetry is not None:
+            self.telemetry.observe_recovery(mechanism)
+        log.warning("recovered from %s (rank %s, step %s) by %s: reloaded step %d, lost %s steps, %.1f s",
+                    record["fault_type"], record["fault_rank"], record["fault_step"], mechanism,
+                    record["reloaded_step"], record["lost_steps"], record["recovery_seconds"] or float("nan"))
+
+    def close(self) -> None:
+        self.heartbeat.close()
+

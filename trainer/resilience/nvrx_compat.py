@@ -1,0 +1,170 @@
+"""The one place that knows how NVIDIA Resiliency Extension (NVRx) differs across versions.
+
+Supported: 0.4.1 (what Python 3.11 gets from PyPI) and >= 0.6 (NGC/DLC GPU images, Python 3.12).
+Everything else in the project imports NVRx through this module. NVRx (and torch, for the checkpoint
+helpers) is imported inside the function that needs it: NVRx is optional and its modules move between
+versions, and the launch-command helpers here must stay importable where neither is installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import inspect
+import logging
+import os
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, Callable
+
+
+def nvrx_version() -> str | None:
+    try:
+        return version("nvidia-resiliency-ext")
+    except PackageNotFoundError:
+        return None
+
+
+def nvrx_available() -> bool:
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None
+
+
+def async_calls_queue(persistent: bool = True):
+    """NVRx's AsyncCallsQueue (GPU async checkpointing); a persistent worker process by default."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue  # optional (see above)
+
+    return AsyncCallsQueue(persistent=persistent)
+
+
+def filesystem_writer_async(path: str, thread_count: int = 2):
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync  # optional
+
+    return FileSystemWriterAsync(path, thread_count=thread_count)
+
+
+def plan_async_save(state_dict: dict[str, Any], writer, process_group=None) -> tuple:
+    """save_state_dict_async_plan across versions (enable_cache appeared after 0.3)."""
+    # optional (see above)
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    kwargs: dict[str, Any] = {"planner": DefaultSavePlanner()}
+    if "enable_cache" in inspect.signature(save_state_dict_async_plan).parameters:
+        kwargs["enable_cache"] = True
+    return save_state_dict_async_plan(state_dict, writer, process_group, 0, **kwargs)
+
+
+def async_request(writer, plan_result: tuple, on_finalized: Callable[[], None]):
+    """An AsyncRequest that writes the planned shards and, once every rank is done, finalizes DCP metadata."""
+    # optional (see above)
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
+
+    returned = writer.get_save_function_and_args()
+    # 0.4+: (save_fn, preload_fn, args); earlier: (save_fn, args).
+    save_fn, preload_fn, save_args = returned if len(returned) == 3 else (returned[0], None, returned[1])
+
+    def finalize() -> None:
+        save_state_dict_async_finalize(*plan_result)
+        on_finalized()
+
+    kwargs = {"preload_fn": preload_fn} if preload_fn is not None else {}
+    return AsyncRequest(save_fn, save_args, [finalize], **kwargs)
+
+
+# -- fault tolerance (ft_launcher) -----------------------------------------------------------------
+
+
+# ft_launcher's entry module: the same path in 0.4.1 and >= 0.6.
+FT_LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
+
+
+HEALTH_CHECK_FLAG = "--ft-node-health-check-endpoint"  # NVRx >= 0.5
+
+
+def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float, max_restarts: int,
+                      node_health_check_endpoint: str = "") -> list[str]:
+    """Flags spelled the same in 0.4.1 and >= 0.5; timeouts always passed (their defaults differ by version).
+    Flags only newer versions know are dropped at run time by `runtime_launcher_args`, where the version is."""
+    flags = [f"--max-restarts={max_restarts}",
+             f"--ft-initial-rank-heartbeat-timeout={initial_heartbeat_timeout}",
+             f"--ft-rank-heartbeat-timeout={heartbeat_timeout}"]
+    if node_health_check_endpoint:
+        flags.append(f"{HEALTH_CHECK_FLAG}={node_health_check_endpoint}")
+    return flags
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    parts = []
+    for piece in (text or "0").split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str]) -> list[str]:
+    """The launcher's arguments adjusted where it runs (trainer.launcher): flags the installed NVRx does not
+    know are dropped with a warning, and on a TrainJob node the c10d rendezvous is told explicitly whether this
+    node hosts the store (node rank 0) instead of guessing it from host names that DNS may not serve yet."""
+    args = list(args)
+    if launcher == "ft_launcher" and _version_tuple(nvrx_version()) < (0, 5):
+        kept = [a for a in args if not a.startswith(HEALTH_CHECK_FLAG)]
+        if len(kept) != len(args):
+            logging.getLogger(__name__).warning("NVRx %s has no %s: running without the node health check",
+                                                nvrx_version(), HEALTH_CHECK_FLAG)
+        args = kept
+    node_rank = environ.get("PET_NODE_RANK")
+    if node_rank is not None and "--rdzv-backend=c10d" in args:
+        is_host = f"is_host={'true' if node_rank == '0' else 'false'}"
+        for index, arg in enumerate(args):
+            if arg.startswith("--rdzv-conf="):
+                args[index] = f"{arg},{is_host}"
+                break
+        else:
+            args.append(f"--rdzv-conf={is_host}")
+    return args
+
+
+def under_ft_launcher() -> bool:
+    return bool(os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"))
+
+
+def rank_monitor_client():
+    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient  # optional (see the module's docstring)
+
+    return RankMonitorClient()
+
+
+# -- in-process restart --------------------------------------------------------------------------------
+
+
+def in_process_wrapper(*, store_port: int, soft_timeout: float, max_restarts: int, on_cuda: bool):
+    """inprocess.Wrapper configured for this project, on CPU/gloo as on CUDA/NCCL.
+
+    - Abort: NVRx's AbortTorchDistributed aborts NCCL only (on a CPU build its error is swallowed, then it
+      destroys the process group); on gloo that destroy is the abort — a rank blocked in a collective is
+      released by the group's own short timeout (resilience.collective_timeout).
+    - Health checks: CudaHealthCheck on CUDA; none on CPU. NVRx >= 0.5 also chains GPU/NIC checks when
+      LOCAL_RANK is set, which fail without NVML, so LOCAL_RANK is hidden while the Wrapper is built.
+    """
+    from nvidia_resiliency_ext import inprocess  # optional (see the module's docstring)
+
+    seconds = datetime.timedelta(seconds=1)
+    kwargs = dict(
+        store_kwargs={"port": store_port},
+        abort=inprocess.abort.AbortTorchDistributed(),
+        health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,
+        # The first call is iteration 0: N restarts need N + 1 iterations.
+        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1),
+        soft_timeout=soft_timeout * seconds,
+        hard_timeout=(soft_timeout + 15) * seconds,
+        heartbeat_timeout=(soft_timeout + 10) * seconds,
+        barrier_timeout=(soft_timeout + 60) * seconds,
+        completion_timeout=(soft_timeout + 60) * seconds,
+        last_call_wait=seconds,
+    )
+    hidden = None if on_cuda else os.environ.pop("LOCAL_RANK", None)
+    try:
+        return inprocess.Wrapper(**kwargs)
+    finally:
+        if hidden is not None:
+            os.environ["LOCAL_RANK"] = hidden

@@ -1,0 +1,290 @@
+"""The Trainer: FSDP2 training of a Llama-architecture model in one process of a job (one rank).
+
+    trainer = Trainer(cfg, data_dir)   # process group, lease, model, optimizer, data, checkpointing
+    trainer.train()                    # resume, then step until training.num_steps; result.json at the end
+    trainer.close()
+
+Collaborators are attributes by role: `checkpointer` (trainer.checkpoint.manager) owns saving and where a
+run resumes from; `resilience` (trainer.resilience.hooks) gets one call per step; `telemetry` serves
+/metrics; `fence` stops a superseded trainer. The command line is trainer.cli.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer import logs
+from trainer.checkpoint.format import step_dir_name
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.config import Config
+from trainer.data import TokenBatches, load_meta
+from trainer.events import EventLog
+from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
+from trainer.model import load_or_build_model, shard_model
+from trainer.resilience.hooks import ResilienceHooks
+from trainer.resilience.in_process import InProcessAttempt
+from trainer.run_dir import RunDir, write_json
+from trainer.telemetry import Telemetry
+from trainer.tokenizer import load_tokenizer
+
+log = logging.getLogger("trainer")
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at num_steps (step is 0-based)."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpointing of one training process."""
+
+    def __init__(self, cfg: Config, data_dir: Path, in_process: InProcessAttempt | None = None):
+        self.cfg = cfg
+        self.in_process = in_process
+        self.data_dir = Path(data_dir)
+        self.step = 0  # optimizer steps completed
+        self.last_loss = float("nan")
+        self.init_distributed()
+        self._own_lease: RunLease | None = None
+        self.fence = self.join_lease()
+        torch.manual_seed(cfg.run.seed)
+
+        meta = load_meta(self.data_dir)
+        model = load_or_build_model(cfg.model, vocab_size=meta["vocab_size"], seed=cfg.run.seed,
+                                    special_token_ids=load_tokenizer(meta["tokenizer"]).special_token_ids())
+        if model.config.vocab_size < meta["vocab_size"]:
+            raise ValueError(f"model vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
+                             f"({meta['vocab_size']}, {self.data_dir}): fix model.vocab_size or data.tokenizer")
+        self.model_config = model.config
+        if cfg.model.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = shard_model(model.to(self.device), mixed_precision=self.device.type == "cuda")
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.training.lr,
+                                           weight_decay=cfg.training.weight_decay, betas=(0.9, 0.95))
+        self.batches = TokenBatches.open(self.data_dir, "train", cfg.training.seq_len, cfg.training.batch_size,
+                                         cfg.run.seed)
+        self.run_dir = RunDir(cfg.run_dir)
+        self.events = EventLog(cfg.run_dir, self.rank, fence=self.fence)
+        self.telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, self.rank)
+        self.resilience = ResilienceHooks(cfg, self.rank, self.world_size, self.events, self.device,
+                                          in_process=in_process, telemetry=self.telemetry)
+        self.resilience.start()
+        self.checkpointer = CheckpointManager(
+            cfg.checkpoint_dir, cfg.checkpoint, rank=self.rank, device=self.device, events=self.events,
+            # Checkpoints describe themselves: resume, validation and export need nothing else.
+            metadata={"world_size": self.world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
+                      "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
+                      "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
+            memory=in_process.snapshot if in_process else None,
+            save_point=self.resilience.injector.at_save_point, fence=self.fence,
+        )
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def init_distributed(self) -> None:
+        backend = self.cfg.training.backend
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" not in os.environ:  # plain `python -m trainer`: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(_free_port()))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            torch.set_num_threads(self.cfg.training.num_threads)
+            self.device = torch.device("cpu")
+        if self.in_process is None:
+            dist.init_process_group(backend=backend)
+        else:  # a fresh group per in-process restart iteration, on the application's own store
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], self.in_process.store_port, world_size,
+                                  is_master=rank == 0, multi_tenant=True, wait_for_workers=True)
+            timeout = datetime.timedelta(seconds=self.cfg.resilience.collective_timeout)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"iter{self.in_process.iteration}", store),
+                                    rank=rank, world_size=world_size, timeout=timeout)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # One voice for progress; warnings and errors still come from every rank.
+        logs.configure(logging.INFO if self.rank == 0 else logging.WARNING, rank=self.rank)
+
+    def join_lease(self) -> Fence:
+        """This launch's generation of the run folder's lease (fencing: an older launch's trainers stop).
+
+        Under the pipeline's launcher the generation comes from the environment; started by hand (torchrun,
+        python -m trainer), rank 0 takes the lease itself for the life of this process.
+        """
+        if GENERATION_ENV in os.environ:
+            generation, busy = int(os.environ[GENERATION_ENV]), None
+        else:
+            choice: list = [None, None]
+            if self.rank == 0:
+                try:
+                    self._own_lease = RunLease(self.cfg.run_dir).acquire()
+                    choice[0] = self._own_lease.new_generation()
+                except RunFolderBusy as err:
+                    choice[1] = str(err)
+            dist.broadcast_object_list(choice, src=0)
+            generation, busy = choice
+        if busy is not None:
+            raise RunFolderBusy(busy)
+        fence = Fence(self.cfg.run_dir, generation)
+        fence.check()
+        return fence
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        # Tensors, not Python numbers: DCP stores non-tensor items with pickle. RNG state differs per rank,
+        # and DCP de-duplicates equal keys across ranks, hence the rank in the key.
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"model": model_state, "optim": optim_state,
+                "trainer": {"step": torch.tensor(self.step), "last_loss": torch.tensor(self.last_loss)},
+                "rng": {f"rank{self.rank}": rng}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(state["trainer"]["step"])
+        self.last_loss = float(state["trainer"]["last_loss"])
+        rng = state["rng"].get(f"rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def resume(self) -> None:
+        """Take up the newest state there is; the checkpoint manager decides which (and says why)."""
+        load_started, started = time.time(), time.perf_counter()
+        state = self.state_dict()
+        step, source = self.checkpointer.load_latest(state)
+        if source != "none":
+            self.load_state_dict(state)
+            log.info("resuming at step %d (state from %s)", self.step, source)
+        self.resilience.note_resume(step if source != "none" else None, load_started, time.perf_counter() - started,
+                                    source)
+
+    # -- loop --------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.training
+        started = time.perf_counter()
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum_steps):
+            inputs, labels = self.batches.batch(self.step, micro, self.rank)
+            inputs = torch.from_numpy(inputs).to(self.device)
+            labels = torch.from_numpy(labels).to(self.device)
+            logits = self.model(input_ids=inputs).logits
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+            (loss / t.grad_accum_steps).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   t.grad_clip if t.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.world_size > 1:  # note: a sync point; the loss is averaged over ranks only for reporting
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        self.step += 1
+        self.last_loss = loss_sum.item() / t.grad_accum_steps
+        seconds = time.perf_counter() - started
+        tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
+        return {"step": self.step, "loss": self.last_loss, "lr": lr,
+                "grad_norm": float(grad_norm), "step_seconds": seconds, "tokens_per_second": tokens / seconds}
+
+    def should_continue_training(self) -> bool:
+        return self.step < self.cfg.training.num_steps
+
+    def train(self) -> dict[str, Any]:
+        self.resume()
+        started_at_step, started = self.step, time.perf_counter()
+        with _MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
+            while self.should_continue_training():
+                metrics = self.train_step()
+                writer.write(metrics)
+                if self.step % self.cfg.training.log_every == 0 or self.step == 1:
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
+                             self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
+                             metrics["tokens_per_second"])
+                save_started = time.perf_counter()
+                saved = self.checkpointer.save(self.step, self.state_dict, last=not self.should_continue_training())
+                self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)
+                self.resilience.after_step(self.step)
+        self.checkpointer.save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
+        self.checkpointer.wait()
+        result = {"steps": self.step, "steps_this_launch": self.step - started_at_step,
+                  "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
+                  "checkpoint_dir": str(self.cfg.checkpoint_dir),
+                  "checkpoint": (str(self.cfg.checkpoint_dir / step_dir_name(self.step))
+                                 if self.checkpointer.enabled else None),
+                  "world_size": self.world_size,
+                  "num_parameters": sum(p.numel() for p in self.model.parameters()),
+                  "metrics_file": str(self.run_dir.metrics), "finished_at": time.time()}
+        if self.rank == 0:
+            write_json(self.run_dir.result, result)
+        return result
+
+    def close(self, wait_for_checkpoint: bool = True) -> None:
+        """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped."""
+        self.resilience.close()
+        self.checkpointer.close(wait=wait_for_checkpoint)
+        if self._own_lease is not None:
+            self._own_lease.release()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _MetricsWriter:
+    """Appends one JSON line per step (rank 0 only); the file survives restarts and is appended to."""
+
+    def __init__(self, path: Path | None, fence: Fence):
+        self.path = path
+        self.fence = fence
+        self.handle = None
+
+    def __enter__(self) -> "_MetricsWriter":
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = self.path.open("a")
+        return self
+
+    def write(self, record: dict[str, float]) -> None:
+        if self.handle is not None:
+            self.fence.check()  # a superseded trainer appends nothing
+            self.handle.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.handle.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
