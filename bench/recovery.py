@@ -1,16 +1,23 @@
-"""Recovery time by mechanism and fault type, side by side in one run (2 CPU ranks, 101 M params).
+"""Downtime per fault, by recovery mechanism, measured side by side in one run (2 CPU ranks, 101 M params).
 
-    .venv/bin/python bench/recovery.py                 # ~10 min
-    .venv/bin/python bench/recovery.py --preset tiny   # harness check
+    .venv/bin/python bench/recovery.py                 # ~20 min
+    .venv/bin/python bench/recovery.py --preset tiny   # harness check (~5 min)
 
-For each mechanism the same model, data and fault schedule (an exception, a hang, a SIGKILL, on
-alternating ranks) run once:
-- in_process: NVRx in-process restart (layer 1), ft_launcher behind it for process deaths;
-- ft_launcher: in-job restart of the workers (layer 2);
-- full_relaunch: the launcher gives up at once (max_restarts=0) and the whole job is started again
-  (new launcher, rendezvous, interpreters, imports, model build, reload) — the baseline.
-Recovery seconds = fault → the next completed step, split into detect + tear down, re-init, reload and
-first step, from the trainer's recovery events. Writes bench/results/recovery.json.
+Downtime per fault = wall time of a run with one fault − wall time of the same run (same seed, data and
+steps) without it. It holds everything the fault costs: detection, tear-down, restart, reload and the steps
+replayed. Each mechanism runs clean before and after its faulty runs; the mean of the two clean runs is the
+reference, and their difference is reported as the noise (`clean_spread_seconds`).
+
+Mechanisms (the same model and data; an FSx checkpoint every 4 steps, the fault at step 6, so a resume from
+FSx replays 2 steps — half the interval, the expected loss of a fault that strikes at a random step):
+- full_relaunch: the launcher gives up at once and the whole job is started again (new launcher,
+  rendezvous, interpreters, imports, model build, reload from FSx) — the baseline;
+- ft_launcher: in-job restart of the workers, state from FSx only (no memory tier);
+- ft_launcher_memory: in-job restart with the node-memory tier every step and the peer replica (each rank a
+  node of its own here), state from node memory or the peer;
+- ft_launcher_memory_replica_wait: as above, each step waiting for its replica (node loss only).
+Faults: exception, hang (ft_launcher's heartbeat timeout detects it), sigkill (one rank), node_loss (one
+rank SIGKILLed and its node memory wiped). Writes bench/results/recovery.json.
 """
 
 from __future__ import annotations
@@ -18,83 +25,144 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train.local import run_local_training  # noqa: E402
+from components.train.report import read_metrics  # noqa: E402
 from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.events import read_events  # noqa: E402
+from trainer.run_dir import RunDir  # noqa: E402
 
 log = logging.getLogger("bench.recovery")
 
+FAULT_STEP = 6
+FAULTS = {"exception": f"exception@{FAULT_STEP}:rank=1", "hang": f"hang@{FAULT_STEP}:rank=0",
+          "sigkill": f"sigkill@{FAULT_STEP}:rank=1", "node_loss": f"node_loss@{FAULT_STEP}:rank=1"}
+IN_JOB = ["--resilience.max_restarts=2", "--resilience.job_restarts=0"]
+NO_MEMORY = ["--checkpoint.memory_interval_steps=0"]
+MEMORY = ["--checkpoint.memory_interval_steps=1", "--checkpoint.peer_replica=true",
+          "--checkpoint.memory_node_per_rank=true"]
 MECHANISMS = {
-    # An in-memory copy every step: an in-process restart reloads the fault's own step without reading disk.
-    "in_process": ["--resilience.in_process=true", "--resilience.memory_snapshot_interval_steps=1",
-                   "--resilience.launcher=ft_launcher", "--resilience.max_restarts=3", "--resilience.job_restarts=0"],
-    "ft_launcher": ["--resilience.launcher=ft_launcher", "--resilience.max_restarts=3", "--resilience.job_restarts=0"],
-    "full_relaunch": ["--resilience.launcher=ft_launcher", "--resilience.max_restarts=0",
-                      "--resilience.job_restarts=3"],
+    "full_relaunch": (["--resilience.max_restarts=0", "--resilience.job_restarts=1", *NO_MEMORY], list(FAULTS)),
+    "ft_launcher": ([*IN_JOB, *NO_MEMORY], list(FAULTS)),
+    "ft_launcher_memory": ([*IN_JOB, *MEMORY], list(FAULTS)),
+    "ft_launcher_memory_replica_wait": ([*IN_JOB, *MEMORY, "--checkpoint.peer_replica_wait=true"], ["node_loss"]),
 }
 SPLIT = ("detect_and_teardown_seconds", "reinit_seconds", "reload_seconds", "first_step_seconds")
+
+
+def _median_step_seconds(run_dir: Path) -> float:
+    """The median time between consecutive steps after the first two (page faults of the first saves)."""
+    times = sorted((r["step"], r["time"]) for r in read_metrics(RunDir(run_dir).metrics))
+    gaps = [b[1] - a[1] for a, b in zip(times, times[1:]) if a[0] >= 2 and b[0] == a[0] + 1]
+    return statistics.median(gaps)
 
 
 def main() -> int:
     logs.configure()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
-    parser.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                        help="ft_launcher hang detection (s); above the slowest step incl. the first async save")
-    parser.add_argument("--collective-timeout", type=float, default=3.0, help="gloo timeout under in-process (s)")
+    parser.add_argument("--num-steps", type=int, default=10)
+    parser.add_argument("--heartbeat-timeout", type=float, default=20.0,
+                        help="ft_launcher hang detection (s); above the slowest step incl. an FSx save")
+    parser.add_argument("--mechanisms", default=",".join(MECHANISMS), help="comma-separated subset")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "recovery.json")
     args = parser.parse_args()
 
-    schedule = "exception@3:rank=1, hang@6:rank=0, sigkill@9:rank=1"
     scratch = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    runs = 0
+
+    def run(mechanism: str, flags: list[str], fault: str | None) -> tuple[float, Path]:
+        nonlocal runs
+        runs += 1
+        cfg = load_config("local", [
+            f"--run.work_dir={scratch}", f"--run.run_id=r{runs}", f"--model.preset={args.preset}",
+            f"--training.num_steps={args.num_steps}", "--training.batch_size=1", "--training.seq_len=128",
+            "--training.warmup_steps=1", "--training.log_every=1", "--checkpoint.interval_steps=4",
+            "--checkpoint.keep_last=1", f"--checkpoint.memory_dir={scratch / 'node-memory'}",
+            f"--resilience.heartbeat_timeout={args.heartbeat_timeout}", "--resilience.launcher=ft_launcher",
+            f"--faults.schedule={FAULTS[fault] if fault else ''}", *flags])
+        started = time.perf_counter()
+        run_local_training(cfg, data)
+        wall = time.perf_counter() - started
+        log.info("%s / %s: %.1f s", mechanism, fault or "clean", wall)
+        return wall, cfg.run_dir
+
     try:
         data = demo_token_dir(scratch)
-
-        results: dict[str, dict] = {}
+        downtime: dict[str, dict] = {}
+        lost: dict[str, dict] = {}
+        source: dict[str, dict] = {}
         splits: dict[str, dict] = {}
-        for mechanism, flags in MECHANISMS.items():
-            cfg = load_config("local", [
-                f"--run.work_dir={scratch}", f"--run.run_id={mechanism.replace('_', '-')}",
-                f"--model.preset={args.preset}", "--training.num_steps=12", "--training.batch_size=1",
-                "--training.seq_len=128", "--training.warmup_steps=1", "--training.log_every=1",
-                "--checkpoint.interval_steps=2", "--checkpoint.keep_last=1", f"--faults.schedule={schedule}",
-                f"--resilience.heartbeat_timeout={args.heartbeat_timeout}",
-                f"--resilience.collective_timeout={args.collective_timeout}",
-                f"--resilience.soft_timeout={max(20.0, args.collective_timeout + 5)}", *flags])
-            run_local_training(cfg, data)
-            recoveries = {r["fault_type"]: r for r in read_events(cfg.run_dir, "recovery")}
-            results[mechanism] = {f: (recoveries[f]["recovery_seconds"] if f in recoveries else None)
-                                  for f in ("exception", "hang", "sigkill")}
-            splits[mechanism] = {f: {"mechanism": r["mechanism"], "lost_steps": r["lost_steps"],
-                                     "reload_source": r["reload_source"],
-                                     **{k: r[k] for k in SPLIT}} for f, r in recoveries.items()}
-            log.info("%s: %s", mechanism, results[mechanism])
+        clean: dict[str, dict] = {}
+        for mechanism in args.mechanisms.split(","):
+            flags, faults = MECHANISMS[mechanism]
+            before, before_dir = run(mechanism, flags, None)
+            faulty = {fault: run(mechanism, flags, fault) for fault in faults}
+            after, after_dir = run(mechanism, flags, None)
+            reference = (before + after) / 2
+            clean[mechanism] = {"wall_seconds": [before, after], "clean_spread_seconds": abs(before - after),
+                                "median_step_seconds": [_median_step_seconds(before_dir),
+                                                        _median_step_seconds(after_dir)]}
+            downtime[mechanism], lost[mechanism], source[mechanism], splits[mechanism] = {}, {}, {}, {}
+            for fault, (wall, run_dir) in faulty.items():
+                recoveries = read_events(run_dir, "recovery")
+                launches = read_events(run_dir, "launch")
+                downtime[mechanism][fault] = wall - reference
+                lost[mechanism][fault] = sum(r["lost_steps"] or 0 for r in recoveries)
+                source[mechanism][fault] = ",".join(r["reload_source"] for r in recoveries) or None
+                splits[mechanism][fault] = [{"mechanism": r["mechanism"], **{k: r[k] for k in SPLIT},
+                                             "recovery_seconds": r["recovery_seconds"]} for r in recoveries]
+                restarted = [e for e in launches if e.get("init_seconds") and e is not launches[0]]
+                if restarted:
+                    splits[mechanism][fault].append({"restart_init_seconds": restarted[-1]["init_seconds"]})
+            log.info("%s: downtime %s", mechanism, downtime[mechanism])
 
-        figures = {**results, "splits": splits, "params_preset": args.preset,
-                   "heartbeat_timeout": args.heartbeat_timeout, "collective_timeout": args.collective_timeout,}
+        figures: dict = {"downtime_seconds": downtime, "lost_steps": lost, "reload_source": source,
+                         "clean_runs": clean, "splits": splits}
+        memory = splits.get("ft_launcher_memory", {}).get("sigkill")
+        if memory:
+            figures["reinit_seconds"] = memory[0]["reinit_seconds"]
+        if "ft_launcher" in clean and "ft_launcher_memory" in clean:
+            off = statistics.mean(clean["ft_launcher"]["median_step_seconds"])
+            on = statistics.mean(clean["ft_launcher_memory"]["median_step_seconds"])
+            figures["memory_tier_throughput_ratio"] = off / on
+            if "ft_launcher_memory_replica_wait" in clean:
+                wait = statistics.mean(clean["ft_launcher_memory_replica_wait"]["median_step_seconds"])
+                figures["memory_tier_replica_wait_throughput_ratio"] = off / wait
+        full = downtime.get("full_relaunch", {})
+        goals = {}
+        for mechanism, fault in (("ft_launcher_memory", "sigkill"), ("ft_launcher_memory", "node_loss"),
+                                 ("ft_launcher_memory_replica_wait", "node_loss")):
+            if fault in downtime.get(mechanism, {}) and full.get(fault):
+                goals[f"{mechanism}/{fault} over full_relaunch"] = downtime[mechanism][fault] / full[fault]
+        if "hang" in downtime.get("ft_launcher_memory", {}):
+            goals["ft_launcher_memory/hang minus heartbeat_timeout"] = (downtime["ft_launcher_memory"]["hang"]
+                                                                         - args.heartbeat_timeout)
+        figures.update({"goal_ratios": goals, "params_preset": args.preset, "num_steps": args.num_steps,
+                        "fault_step": FAULT_STEP, "fsx_interval_steps": 4,
+                        "heartbeat_timeout": args.heartbeat_timeout})
         write_results(args.output, figures, "bench/recovery.py")
 
-        def cell(value):
-            return "n/a" if value is None else f"{value:.1f} s"
+        def cell(value, unit=" s"):
+            return "n/a" if value is None else (f"{value:.1f}{unit}" if isinstance(value, float) else str(value))
 
-        print("\n| fault | in-process | ft_launcher | full relaunch |\n|---|---|---|---|")
-        for fault in ("exception", "hang", "sigkill"):
-            print(f"| {fault} | {cell(results['in_process'][fault])} | {cell(results['ft_launcher'][fault])} | "
-                  f"{cell(results['full_relaunch'][fault])} |")
-        print("\n| mechanism / fault | handled by | reload from | lost steps | detect + tear down | re-init | reload | "
-              "first step |\n|---|---|---|---|---|---|---|---|")
-        for mechanism, by_fault in splits.items():
-            for fault, s in by_fault.items():
-                print(f"| {mechanism} / {fault} | {s['mechanism']} | {s['reload_source']} | {s['lost_steps']} | "
-                      f"{cell(s['detect_and_teardown_seconds'])} | "
-                      f"{cell(s['reinit_seconds'])} | {cell(s['reload_seconds'])} | {cell(s['first_step_seconds'])} |")
+        print("\n| mechanism | " + " | ".join(FAULTS) + " |\n|---|" + "---|" * len(FAULTS))
+        for mechanism in downtime:
+            print(f"| {mechanism} | " + " | ".join(
+                f"{cell(downtime[mechanism].get(f))}, lost {cell(lost[mechanism].get(f))}, "
+                f"{cell(source[mechanism].get(f))}" if f in downtime[mechanism] else "—" for f in FAULTS) + " |")
+        for key, value in figures.items():
+            if key in ("reinit_seconds", "memory_tier_throughput_ratio", "memory_tier_replica_wait_throughput_ratio",
+                       "goal_ratios"):
+                print(f"{key}: {value}")
         print(args.output)
         return 0
     finally:

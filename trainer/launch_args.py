@@ -1,8 +1,9 @@
 """The trainer's launch command, built in one place for both launchers: one machine (the pipeline's train
 step, components/train/local.py) and a Kubeflow Trainer TrainJob (components/train/trainjob.py).
 
-    python -m trainer.launcher ft_launcher --max-restarts=3 --ft-initial-rank-heartbeat-timeout=738 ...
-        --nproc-per-node=8 -m trainer --config <run>/config.yaml --data-dir <dataset>
+    python -m trainer.launcher --node-store=<memory_dir>/<run_id> ft_launcher --max-restarts=3 \
+        --ft-initial-rank-heartbeat-timeout=738 ... --nproc-per-node=8 -m trainer --config <run>/config.yaml \
+        --data-dir <dataset>
 
 ft_launcher's initial heartbeat timeout must cover everything before the first step: imports, the process
 group (NCCL across every rank), the model build and the resume from FSx. Too short, and ft_launcher kills
@@ -13,6 +14,7 @@ checkpoint size and the file system's throughput unless resilience.initial_heart
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -62,6 +64,16 @@ def initial_heartbeat_timeout(cfg: Config, data_dir: Path | None = None) -> tupl
     return float(seconds), why
 
 
+def node_memory_gib(cfg: Config, data_dir: Path | None = None) -> int:
+    """The node-memory volume's size: kubernetes.node_memory_gib, or two slots of this node's share of the
+    state (weights + AdamW moments, fp32) and, with a peer replica, two of its peer's, with 10 % headroom."""
+    if cfg.kubernetes.node_memory_gib:
+        return cfg.kubernetes.node_memory_gib
+    state = parameter_count(cfg.model.preset, vocab_size(cfg, data_dir)) * CHECKPOINT_BYTES_PER_PARAMETER
+    copies = 4 if cfg.checkpoint.peer_replica and cfg.training.num_nodes > 1 else 2
+    return max(1, math.ceil(1.1 * copies * state / cfg.training.num_nodes / 2**30))
+
+
 def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, *, job_name: str | None = None,
                     python: str | None = None) -> list[str]:
     """The launcher and trainer command line. job_name=None: every rank on this machine (--standalone);
@@ -79,7 +91,11 @@ def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, 
     else:  # node rank 0 hosts the store: trainer.launcher adds is_host from PET_NODE_RANK
         rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
                       f"--rdzv-id={job_name}", f"--rdzv-conf=join_timeout={int(r.rendezvous_timeout)}"]
+    ckpt = cfg.checkpoint
+    node_store = ([f"--node-store={Path(ckpt.memory_dir) / cfg.run.run_id}"]
+                  if ckpt.enabled and ckpt.memory_interval_steps else [])
+    node_store += ["--fork-server"] if r.warm_start else []
     # ft_launcher rejects --nproc-per-node=auto: always explicit.
-    return [python or sys.executable, "-m", "trainer.launcher", r.launcher, *flags, *rendezvous,
+    return [python or sys.executable, "-m", "trainer.launcher", *node_store, r.launcher, *flags, *rendezvous,
             f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer", "--config", str(config_path),
             "--data-dir", str(data_dir)]

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from trainer.config import MODEL_PRESETS, ModelConfig
 
@@ -44,6 +46,48 @@ def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int,
     set_special_token_ids(loaded, special_token_ids)
     log.info("model: %.1f M parameters from %s", sum(p.numel() for p in loaded.parameters()) / 1e6, folder)
     return loaded
+
+
+def build_model_on_meta(model: ModelConfig, vocab_size: int,
+                        special_token_ids: dict[str, int | None]) -> LlamaForCausalLM:
+    """The model's structure on the meta device: no memory, no initialisation (~0.02 s for 101 M parameters
+    instead of ~1 s). For a start whose weights come from a checkpoint anyway: shard it, then
+    `materialize_on(model, device)` and either load the checkpoint or `copy_initial_weights`."""
+    if model.init_from:
+        config = LlamaConfig.from_pretrained(model.init_from, local_files_only=True)
+        config.update(special_token_ids)
+    else:
+        config = llama_config(model, vocab_size, special_token_ids)
+    with torch.device("meta"):
+        return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def materialize_on(model: LlamaForCausalLM, device: torch.device) -> None:
+    """Storage for a (sharded) meta model on device: parameters uninitialised, the rotary embedding's
+    frequencies (buffers computed from the config, never saved) computed as a normal build does."""
+    model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, LlamaRotaryEmbedding):
+            fresh = LlamaRotaryEmbedding(config=module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buffer)
+    unknown = [name for name, _ in model.named_buffers() if ".rotary_emb." not in name]
+    assert not unknown, f"buffers a meta build leaves uninitialised: {unknown}"
+
+
+def copy_initial_weights(sharded: LlamaForCausalLM, full: LlamaForCausalLM) -> None:
+    """Each rank's shard of a fully built model's weights into the sharded one (FSDP2 shards dim 0 as
+    torch.chunk does, which is what distribute_tensor computes; every rank holds the same full model, so
+    no communication)."""
+    full_parameters = dict(full.named_parameters())
+    for name, parameter in sharded.named_parameters():
+        source = full_parameters[name].detach().to(parameter.device)
+        if isinstance(parameter, DTensor):
+            source = distribute_tensor(source, parameter.device_mesh, parameter.placements,
+                                       src_data_rank=None).to_local()
+            parameter = parameter.to_local()
+        with torch.no_grad():
+            parameter.copy_(source)
 
 
 def set_special_token_ids(model: LlamaForCausalLM, special_token_ids: dict[str, int | None]) -> None:

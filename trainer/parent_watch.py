@@ -37,6 +37,20 @@ def watch_parent(parent_pid: int | None = None, interval_seconds: float = 0.2) -
     threading.Thread(target=_watch, args=(parent_pid, interval_seconds), name="parent-watch", daemon=True).start()
 
 
+def _watch_pid(pid: int, interval_seconds: float) -> None:
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(interval_seconds)
+
+
+def watch_process(pid: int, interval_seconds: float = 0.2) -> None:
+    """SIGKILL this process as soon as process pid (not its parent: trainer.warm_start's client) is gone."""
+    threading.Thread(target=_watch_pid, args=(pid, interval_seconds), name="process-watch", daemon=True).start()
+
+
 def die_with_parent() -> None:
     """In a launcher's worker, or a multiprocessing child of one: watch the parent (no-op otherwise, so
     `nohup python -m trainer` keeps running after its shell exits)."""

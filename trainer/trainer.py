@@ -27,13 +27,17 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import logs
-from trainer.checkpoint.format import step_dir_name
+from trainer.checkpoint.format import committed_checkpoints, step_dir_name
 from trainer.checkpoint.manager import CheckpointManager
+from trainer.checkpoint.memory import MemoryTier
+from trainer.checkpoint.node_store import META, NODE_STORE_ENV
+from trainer.checkpoint.s3_tier import S3Tier
 from trainer.config import Config
 from trainer.data import TokenBatches, load_meta
 from trainer.events import EventLog
 from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
-from trainer.model import load_or_build_model, shard_model
+from trainer.model import build_model_on_meta, copy_initial_weights, load_or_build_model, materialize_on, shard_model
+from trainer.optimizer import build_optimizer, initialize_state
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.run_dir import RunDir, write_json
@@ -61,41 +65,62 @@ class Trainer:
         self.data_dir = Path(data_dir)
         self.step = 0  # optimizer steps completed
         self.last_loss = float("nan")
+        timer = _PhaseTimer()  # where a (re)start's time goes: recorded with the launch
         self.init_distributed()
         self._own_lease: RunLease | None = None
         self.fence = self.join_lease()
         torch.manual_seed(cfg.run.seed)
+        timer.done("process_group")
 
         meta = load_meta(self.data_dir)
-        model = load_or_build_model(cfg.model, vocab_size=meta["vocab_size"], seed=cfg.run.seed,
-                                    special_token_ids=load_tokenizer(meta["tokenizer"]).special_token_ids())
+        self._build_model_args = {"model": cfg.model, "vocab_size": meta["vocab_size"],
+                                  "special_token_ids": load_tokenizer(meta["tokenizer"]).special_token_ids()}
+        # A restart takes its weights from a checkpoint: building (and initialising) them first is waste, so
+        # the model is then built on the meta device and only its shards get memory (resume() initialises it
+        # after all when no copy turns out to be restorable).
+        self._weights_pending = self._a_resume_is_likely()
+        model = (build_model_on_meta(**self._build_model_args) if self._weights_pending
+                 else load_or_build_model(**self._build_model_args, seed=cfg.run.seed))
         if model.config.vocab_size < meta["vocab_size"]:
             raise ValueError(f"model vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                              f"({meta['vocab_size']}, {self.data_dir}): fix model.vocab_size or data.tokenizer")
         self.model_config = model.config
         if cfg.model.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.model = shard_model(model.to(self.device), mixed_precision=self.device.type == "cuda")
+        if self._weights_pending:
+            self.model = shard_model(model, mixed_precision=self.device.type == "cuda")
+            materialize_on(self.model, self.device)
+        else:
+            self.model = shard_model(model.to(self.device), mixed_precision=self.device.type == "cuda")
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.training.lr,
-                                           weight_decay=cfg.training.weight_decay, betas=(0.9, 0.95))
+        timer.done("model")
+        self.optimizer = build_optimizer(self.model, cfg.training.lr, cfg.training.weight_decay)
+        initialize_state(self.optimizer)
         self.batches = TokenBatches.open(self.data_dir, "train", cfg.training.seq_len, cfg.training.batch_size,
                                          cfg.run.seed)
+        timer.done("optimizer_and_data")
         self.run_dir = RunDir(cfg.run_dir)
         self.events = EventLog(cfg.run_dir, self.rank, fence=self.fence)
         self.telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, self.rank)
+        ckpt = cfg.checkpoint
+        memory = (MemoryTier(ckpt, cfg.run.run_id, self.rank, self.world_size,
+                             int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
+                  if ckpt.enabled and ckpt.memory_interval_steps else None)
         self.resilience = ResilienceHooks(cfg, self.rank, self.world_size, self.events, self.device,
-                                          in_process=in_process, telemetry=self.telemetry)
-        self.resilience.start()
+                                          in_process=in_process, telemetry=self.telemetry,
+                                          node_memory=memory.store if memory else None)
         self.checkpointer = CheckpointManager(
-            cfg.checkpoint_dir, cfg.checkpoint, rank=self.rank, device=self.device, events=self.events,
+            cfg.checkpoint_dir, ckpt, rank=self.rank, device=self.device, events=self.events,
             # Checkpoints describe themselves: resume, validation and export need nothing else.
             metadata={"world_size": self.world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
                       "model_config": self.model_config.to_dict(), "tokenizer": meta["tokenizer"],
                       "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
-            memory=in_process.snapshot if in_process else None,
+            memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
             save_point=self.resilience.injector.at_save_point, fence=self.fence,
         )
+        timer.done("checkpointing")
+        self.resilience.start(init_seconds={"imports": timer.started - self.resilience.process_started_at,
+                                            **timer.phases})
 
     # -- set-up ------------------------------------------------------------------------------------
 
@@ -150,6 +175,21 @@ class Trainer:
         fence.check()
         return fence
 
+    def _a_resume_is_likely(self) -> bool:
+        """Collective: whether any rank sees a copy to resume from (node memory, an FSx checkpoint, S3). A
+        cheap look (listings, no verification): resume() falls back to initialising when none restores."""
+        ckpt = self.cfg.checkpoint
+        if not (ckpt.enabled and ckpt.resume):
+            return False
+        store = os.environ.get(NODE_STORE_ENV)
+        seen = bool(ckpt.s3_uri or committed_checkpoints(self.cfg.checkpoint_dir)
+                    or (store and next(Path(store).glob(f"node-*/*/slot-*/{META}"), None)))
+        if self.world_size > 1:
+            flag = torch.tensor(int(seen), device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            seen = bool(flag.item())
+        return seen
+
     # -- state -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -182,6 +222,9 @@ class Trainer:
         if source != "none":
             self.load_state_dict(state)
             log.info("resuming at step %d (state from %s)", self.step, source)
+        elif self._weights_pending:  # nothing to resume from after all: the weights a normal build gives
+            copy_initial_weights(self.model, load_or_build_model(**self._build_model_args, seed=self.cfg.run.seed))
+        self._weights_pending = False
         self.resilience.note_resume(step if source != "none" else None, load_started, time.perf_counter() - started,
                                     source)
 
@@ -282,6 +325,17 @@ class _MetricsWriter:
     def __exit__(self, *exc: object) -> None:
         if self.handle is not None:
             self.handle.close()
+
+
+class _PhaseTimer:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self._last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase], self._last = now - self._last, now
 
 
 def _free_port() -> int:

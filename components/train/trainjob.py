@@ -34,7 +34,7 @@ from kubernetes.client.exceptions import ApiException
 from components.train.local import JobCancelled, cancel_on_sigterm
 from components.train.report import training_report
 from trainer.config import Config
-from trainer.launch_args import initial_heartbeat_timeout, trainer_command
+from trainer.launch_args import initial_heartbeat_timeout, node_memory_gib, trainer_command
 from trainer.lease import GENERATION_ENV, RunLease
 from trainer.run_dir import RunDir, read_json, write_json
 
@@ -80,16 +80,21 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
         resources["nvidia.com/gpu"] = k.gpus_per_node
     if k.efa_per_node:
         resources["vpc.amazonaws.com/efa"] = k.efa_per_node
+    memory_tier = cfg.checkpoint.enabled and cfg.checkpoint.memory_interval_steps > 0
+    node_memory = node_memory_gib(cfg, Path(data_dir)) if memory_tier else 0
+    # Memory-backed volumes count against the pod's memory limit: it covers them and the processes.
+    resources["memory"] = f"{k.process_memory_gib + int(k.shm_size.removesuffix('Gi')) + node_memory}Gi"
     labels = {"app.kubernetes.io/part-of": "resilient-train", "resilient-train.io/run-id": _label(cfg.run.run_id)}
     if k.queue_name:
         labels["kueue.x-k8s.io/queue-name"] = k.queue_name
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": k.service_account,
-        "volumes": [{"name": "fsx", "persistentVolumeClaim": {"claimName": k.fsx_pvc}},
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}],
-        "containers": [{"name": CONTAINER, "volumeMounts": [{"name": "fsx", "mountPath": str(cfg.fsx_root)},
-                                                            {"name": "dshm", "mountPath": "/dev/shm"}]}],
-    }
+    volumes = [{"name": "fsx", "persistentVolumeClaim": {"claimName": k.fsx_pvc}},
+               {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}]
+    mounts = [{"name": "fsx", "mountPath": str(cfg.fsx_root)}, {"name": "dshm", "mountPath": "/dev/shm"}]
+    if memory_tier:  # the node-memory tier: outlives the workers ft_launcher restarts, dies with the pod
+        volumes.append({"name": "node-memory", "emptyDir": {"medium": "Memory", "sizeLimit": f"{node_memory}Gi"}})
+        mounts.append({"name": "node-memory", "mountPath": cfg.checkpoint.memory_dir})
+    pod_spec: dict[str, Any] = {"serviceAccountName": k.service_account, "volumes": volumes,
+                                "containers": [{"name": CONTAINER, "volumeMounts": mounts}]}
     if k.node_selector_map:
         pod_spec["nodeSelector"] = k.node_selector_map
     if k.toleration_list:

@@ -22,7 +22,9 @@ def token_dir(tmp_path_factory) -> Path:
 
 
 def _training_config(work_dir: Path, run_id: str, *extra: str):
-    return load_config("local", [f"--run.work_dir={work_dir}", f"--run.run_id={run_id}", *FAST_TRAINING, *extra])
+    # The node-memory tier in the test's own folder: no test sees another's copies.
+    return load_config("local", [f"--run.work_dir={work_dir}", f"--run.run_id={run_id}",
+                                 f"--checkpoint.memory_dir={work_dir}/node-memory", *FAST_TRAINING, *extra])
 
 
 @pytest.fixture(scope="session")

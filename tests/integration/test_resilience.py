@@ -47,7 +47,11 @@ def test_every_fault_type_is_recovered_with_bit_identical_losses(tmp_path, token
             continue
         assert record is not None, f"no recovery recorded for {fault['key']}"
         assert record["mechanism"] == "ft_launcher"
-        assert record["reloaded_step"] <= fault["step"] and record["lost_steps"] == fault["step"] - record["reloaded_step"]
+        if fault["fault_type"] == "checkpoint_writer_crash":  # surfaces at the next save, steps later
+            assert record["lost_steps"] >= 0
+        else:
+            assert record["reloaded_step"] <= fault["step"]
+            assert record["lost_steps"] == fault["step"] - record["reloaded_step"]
         assert record["recovery_seconds"] > 0 and record["reload_seconds"] >= 0
     hang = recovered["hang@15:rank=1"]
     assert hang["detect_and_teardown_seconds"] >= 8  # the heartbeat timeout had to expire first
@@ -84,7 +88,7 @@ def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path
                 "exception@18:rank=0")
     faulty = training_config(tmp_path / "faulty", "faulty", *steps, f"--faults.schedule={schedule}",
                              "--resilience.in_process=true", "--resilience.in_process_max_restarts=2",
-                             "--resilience.memory_snapshot_interval_steps=1", "--resilience.job_restarts=0")
+                             "--resilience.job_restarts=0")
     result = run_local_training(faulty, token_dir)
 
     assert result["steps"] == 20
@@ -97,10 +101,8 @@ def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path
     assert by_fault["exception@16:rank=1"]["mechanism"] == "in_process"
     assert by_fault["exception@18:rank=0"]["mechanism"] == "ft_launcher"  # escalated past the cap
     assert by_fault["exception@4:rank=1"]["recovery_seconds"] < 15
-    # In-process restarts reload the in-memory copy of the fault's step: nothing lost, nothing read from disk.
-    for key in ("exception@4:rank=1", "hang@8:rank=0", "exception@14:rank=0", "exception@16:rank=1"):
+    # Both layers reload the node-memory copy of the fault's step (it outlives the worker process too):
+    # nothing lost, nothing read from disk.
+    for key in by_fault:
         assert (by_fault[key]["reload_source"], by_fault[key]["reloaded_step"], by_fault[key]["lost_steps"]) == \
             ("memory", by_fault[key]["fault_step"], 0), by_fault[key]
-    # A new process has no copy: the launcher's restarts reload from disk.
-    assert by_fault["sigkill@12:rank=1"]["reload_source"] == "disk"
-    assert by_fault["exception@18:rank=0"]["reload_source"] == "disk"

@@ -229,7 +229,32 @@ def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
     command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
     assert f"--ft-initial-rank-heartbeat-timeout={seconds}" in command
     assert any(a.startswith("--rdzv-conf=join_timeout=") for a in command)
-    assert command[:4] == ["python", "-m", "trainer.launcher", "ft_launcher"]
+    assert command[:6] == ["python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}",
+                           "--fork-server", "ft_launcher"]
+
+
+def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limit_covers_it(cluster):
+    """An emptyDir with medium: Memory is tmpfs and counts against the container's memory limit (Kubernetes
+    docs, "emptyDir"); it outlives container restarts but not the pod, which is what the tier needs. It must
+    hold two copies of the node's share of the state and, with several nodes, two of its peer's
+    (trainer.checkpoint.memory)."""
+    from trainer.launch_args import parameter_count
+
+    _, _, cfg = cluster
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    pod = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == "node-memory"]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    size_gib = int(volume["emptyDir"]["sizeLimit"].removesuffix("Gi"))
+    per_node = parameter_count(cfg.model.preset, 258) * 12 / cfg.training.num_nodes
+    copies = 4 if cfg.training.num_nodes > 1 else 2  # one node: no peer to keep a replica for
+    assert size_gib * 2**30 >= copies * per_node
+    assert {"name": "node-memory", "mountPath": cfg.checkpoint.memory_dir} in pod["containers"][0]["volumeMounts"]
+    limit = int(job["spec"]["trainer"]["resourcesPerNode"]["limits"]["memory"].removesuffix("Gi"))
+    shm = int(cfg.kubernetes.shm_size.removesuffix("Gi"))
+    assert limit >= size_gib + shm + cfg.kubernetes.process_memory_gib
+    assert limit <= 2048  # p5.48xlarge: 2 TiB of memory
 
 
 def test_node_rank_0_hosts_the_rendezvous_explicitly_and_unknown_flags_are_dropped_for_old_nvrx(monkeypatch):

@@ -26,9 +26,11 @@ def test_the_trainjob_validates_strictly_against_the_crd(cfg):
     spec = job["spec"]
     assert spec["runtimeRef"] == {"name": "resilient-train-fsdp-nvrx"}
     assert spec["trainer"]["numNodes"] == 8 and spec["trainer"]["numProcPerNode"] == 8
-    assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32}
+    assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
+                                                             "memory": "555Gi"}
     command = spec["trainer"]["command"]
-    assert command[:4] == ["python", "-m", "trainer.launcher", "ft_launcher"]
+    assert command[:6] == ["python", "-m", "trainer.launcher", "--node-store=/node-memory/nightly-2026-11-29",
+                           "--fork-server", "ft_launcher"]
     assert "--nproc-per-node=8" in command and "--max-restarts=3" in command
     assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in command
     assert command[command.index("--config") + 1] == str(cfg.run_dir / "config.yaml")

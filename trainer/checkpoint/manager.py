@@ -1,16 +1,21 @@
-"""The checkpoint manager: saves, commits and loads training state, and decides where a run resumes from.
+"""The checkpoint manager: saves the training state to every tier, and decides where a run resumes from.
 
-    step, source = checkpointer.load_latest(state)         # at start: the in-memory copy, a checkpoint, or none
+    step, source = checkpointer.load_latest(state)         # at start: memory, peer, FSx, S3, or none
     checkpointer.save(step, trainer.state_dict, last=...)  # every step: the training loop's only call
-    checkpointer.close()                                   # waits for the save in flight
+    checkpointer.close()                                   # waits for the saves in flight
 
-Every rank writes its DCP shards into ``step-N.tmp`` through a backend (trainer.checkpoint.backends). At
-most one save is in flight, its commit included; once a write has completed on every rank, rank 0 commits
-it (manifest with every file's size and xxh3-128 hash, fsync, an atomic rename to ``step-N``) on a
-background thread, and applies keep-last-k retention, counting only checkpoints that verify. Under
-in-process restart the manager also keeps the in-memory copy (trainer.checkpoint.memory) every
-``resilience.memory_snapshot_interval_steps`` and prefers it at resume when it is at least as new as the
-newest valid checkpoint and every rank holds the same step.
+Tiers, nearest first: node memory every ``checkpoint.memory_interval_steps`` (and its replica on a peer
+node; trainer.checkpoint.memory), the FSx checkpoint every ``checkpoint.interval_steps``, S3 every
+``checkpoint.s3_every`` committed checkpoints (trainer.checkpoint.s3_tier). A resume takes the newest valid
+copy, in the order memory → peer → FSx → S3, and says which (``source``); a corrupt or partial copy at any
+tier is skipped with a log line.
+
+FSx saves: every rank writes its DCP shards into ``step-N.tmp`` through a backend
+(trainer.checkpoint.backends). At most one save is in flight, its commit included; once a write has
+completed on every rank, rank 0 commits it (manifest with every file's size and xxh3-128 hash, fsync, an
+atomic rename to ``step-N``) on a background thread, and applies keep-last-k retention, counting only
+checkpoints that verify. Uploads to S3 run on a thread of their own; the folder being uploaded is kept
+until it is sent.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from trainer.checkpoint.backends import PendingWrite, make_backend
 from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, fsync_dir, latest_valid_checkpoint, stale_folders,
                                        step_dir_name, verify_checkpoint, write_manifest)
-from trainer.checkpoint.memory import MemorySnapshot
+from trainer.checkpoint.memory import MemoryTier
+from trainer.checkpoint.s3_tier import S3Tier, S3TierError
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog
 
@@ -58,19 +64,20 @@ def _no_hook(point: str, step: int) -> None:
 
 class CheckpointManager:
     """Public: save, load_latest, wait, close (each called on every rank: they are collective). `memory` is
-    the in-memory copy of an in-process restart (None otherwise); `save_point(point, step)` is called at each
-    sub-step of a save that a crash drill names (trainer.resilience.faults.SAVE_KILLS) while step's save passes it (the fault injector's crash drills; a no-op otherwise); a
-    `fence` (trainer.lease.Fence) stops a superseded trainer before it commits."""
+    the node-memory tier and `s3` the S3 tier (None when off); `save_point(point, step)` is called at each
+    sub-step of a save that a crash drill names (trainer.resilience.faults.SAVE_KILLS; a no-op otherwise);
+    a `fence` (trainer.lease.Fence) stops a superseded trainer before it commits."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, device: torch.device,
-                 metadata: dict[str, Any], events: EventLog, memory: MemorySnapshot | None = None,
-                 save_point: Callable[[str, int], None] = _no_hook, fence=None):
+                 metadata: dict[str, Any], events: EventLog, memory: MemoryTier | None = None,
+                 s3: S3Tier | None = None, save_point: Callable[[str, int], None] = _no_hook, fence=None):
         self._directory = Path(directory)
         self._cfg = cfg
         self._rank = rank
         self._metadata = metadata
         self._events = events
-        self._memory = memory
+        self._memory = memory if cfg.enabled else None
+        self._s3 = s3 if cfg.enabled else None
         self._save_point = save_point
         self._fence = fence
         self._backend = make_backend(cfg, device) if cfg.enabled else None
@@ -79,8 +86,14 @@ class CheckpointManager:
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._commit_future: Future | None = None
         self._verified: dict[Path, tuple[int, bool]] = {}  # folder -> (manifest mtime, verified ok)
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-s3") if rank == 0 else None
+        self._upload_futures: list[Future] = []
+        self._uploading: set[Path] = set()  # kept by retention until sent
+        self._commit_count = 0
         if rank == 0 and cfg.enabled:
             self._remove_stale()
+            if self._s3 is not None:
+                self._s3.steps()  # fail at start, with the URI named, when the tier cannot be reached
 
     def _remove_stale(self) -> None:
         """At start-up no save of this job is in flight: what a crash left half-written or half-deleted goes."""
@@ -95,15 +108,17 @@ class CheckpointManager:
     # -- saving ------------------------------------------------------------------------------------
 
     def save(self, step: int, state_fn: Callable[[], dict[str, Any]], *, last: bool = False) -> bool:
-        """Once per step: keep the in-memory copy when due, finish a completed background write, and save when
-        the interval (or last) says so. True when a save to disk was started."""
-        if self._memory is not None and self._memory.due(step):
-            self._memory.capture(step, state_fn())
+        """Once per step: the node-memory copy when due, finish a completed background write, and an FSx save
+        when the interval (or last) says so. True when a save to FSx was started."""
         if not self.enabled:
             return False
+        state = None
+        if self._memory is not None and self._memory.due(step):
+            state = state_fn()
+            self._memory.save(step, state)
         self._poll()
         if (last or step % self._cfg.interval_steps == 0) and self._last_saved_step != step:
-            self._save_to_disk(step, state_fn())
+            self._save_to_disk(step, state if state is not None else state_fn())
             return True
         return False
 
@@ -179,7 +194,24 @@ class CheckpointManager:
                           mb_per_second=size / 1e6 / total if total > 0 else None)
         log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3f s, write %.2f s, commit %.2f s)",
                  flight.step, final, size / 1e6, flight.blocking_seconds, write_seconds, commit_seconds)
+        self._commit_count += 1
+        if self._s3 is not None and self._commit_count % self._cfg.s3_every == 0:
+            self._uploading.add(final)
+            self._upload_futures.append(self._uploads.submit(self._upload, final, flight.step))
         self._apply_retention(flight.step)
+
+    def _upload(self, folder: Path, step: int) -> None:
+        try:
+            sent = self._s3.upload(folder, step)
+            self._events.write("checkpoint_uploaded", **sent)
+            log.info("checkpoint step %d uploaded to %s (%.1f MB in %.1f s)", step, sent["uri"], sent["bytes"] / 1e6,
+                     sent["seconds"])
+            self._s3.retain(self._cfg.keep_last)
+        except S3TierError as err:  # the FSx copy stands; the next upload tries again
+            log.error("S3 tier: %s", err)
+            self._events.write("checkpoint_upload_failed", step=step, error=str(err))
+        finally:
+            self._uploading.discard(folder)
 
     def _is_valid(self, folder: Path) -> bool:
         """Verified against its manifest, once per process per manifest (committed folders do not change)."""
@@ -206,6 +238,8 @@ class CheckpointManager:
         valid: list[Path] = []
         doomed: list[Path] = []
         for _, folder in reversed(committed_checkpoints(self._directory)):  # newest first
+            if folder in self._uploading:
+                continue  # still being sent to S3: a later retention pass takes it
             if self._is_valid(folder):
                 (valid if len(valid) < self._cfg.keep_last else doomed).append(folder)
             elif valid:
@@ -219,13 +253,14 @@ class CheckpointManager:
             shutil.rmtree(deleting, ignore_errors=True)
 
     def wait(self) -> None:
-        """Finish the save in flight and its commit."""
+        """Finish the save in flight and its commit (not the S3 uploads: see close)."""
         self._finish_in_flight()
         if self._commit_future is not None:
             self._commit_future.result()
             self._commit_future = None
 
     def close(self, wait: bool = True) -> None:
+        """wait=False after a fault: the save in flight is dropped (the peers may be gone)."""
         if not self.enabled:
             return
         if wait:
@@ -235,35 +270,65 @@ class CheckpointManager:
         self._backend.close()
         if self._commits is not None:
             self._commits.shutdown(wait=True)
+        if self._uploads is not None:
+            self._uploads.shutdown(wait=wait)
+            if wait:
+                # What was kept for uploads, or left by a retention a crash cut short with nothing committed
+                # since (a resume from memory may need no new FSx save before the end).
+                self._apply_retention(self._last_saved_step or 0)
+        if self._memory is not None:
+            self._memory.close(wait=wait)
 
     # -- loading -----------------------------------------------------------------------------------
 
     def load_latest(self, state: dict[str, Any]) -> tuple[int, str]:
-        """Collective: fill `state` in place from the newest state there is and say which: the in-memory copy
-        when it is at least as new as the newest valid checkpoint and every rank holds the same step
-        ("memory"), else that checkpoint ("disk"), else nothing ("none", step 0). Rank 0 records a `resume`
-        event either way."""
-        if not self._cfg.resume:
+        """Collective: fill `state` in place from the newest valid copy and say where it came from: "memory"
+        (every rank's node memory), "peer" (some rank's copy came from its peer's replica), "disk" (the newest
+        FSx checkpoint that verifies), "s3" (a copy downloaded because nothing nearer is as new), or "none"
+        (step 0, state untouched). Rank 0 records a `resume` event either way."""
+        if not self._cfg.resume or not self.enabled:
             return 0, "none"
-        memory_step = self._memory.agreed_step() if self._memory is not None else None
         newest_committed = self._newest_committed_step()
         path = disk_step = None
-        # Hashing the checkpoint files is skipped when no committed checkpoint is newer than the in-memory copy.
-        if memory_step is None or memory_step < (newest_committed or 0):
+        if self._memory is not None:
+            # Memory wins unless FSx holds something newer that verifies; hashing the FSx files is skipped
+            # when memory has a copy at least as new as the newest committed folder.
+            found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1)
+            if found is None and newest_committed is not None:
+                path, disk_step = self._find_latest()
+                found = self._memory.restore_newest(state, newer_than=disk_step - 1 if path is not None else -1)
+            if found is not None:
+                self._last_saved_step = disk_step if path is not None else newest_committed
+                return self._resumed(*found, None)
+        if path is None:
             path, disk_step = self._find_latest()
-        if memory_step is not None and memory_step >= (disk_step or 0):
-            self._memory.restore_into(state)
-            self._last_saved_step = disk_step if path is not None else newest_committed
-            step, source = memory_step, "memory"
-        elif path is not None:
-            self._load(state, path, optional=("rng",))
-            self._last_saved_step = disk_step
-            step, source = disk_step, "disk"
-        else:
-            step, source = 0, "none"
+        source = "disk"
+        if self._s3 is not None:
+            fetched = self._fetch_from_s3(newer_than=disk_step)
+            if fetched is not None:
+                (path, disk_step), source = fetched, "s3"
+        if path is None:
+            return self._resumed(0, "none", None)
+        self._load(state, path, optional=("rng",))
+        self._last_saved_step = disk_step
+        return self._resumed(disk_step, source, path)
+
+    def _resumed(self, step: int, source: str, path: Path | None) -> tuple[int, str]:
         if self._rank == 0:
-            self._events.write("resume", step=step, source=source, path=str(path) if source == "disk" else None)
+            self._events.write("resume", step=step, source=source, path=str(path) if path is not None else None)
         return step, source
+
+    def _fetch_from_s3(self, newer_than: int | None) -> tuple[Path, int] | None:
+        """Collective: rank 0 brings back the newest S3 copy newer than what FSx holds (it downloads onto the
+        shared FSx folder), and every rank learns its path."""
+        choice: list = [None, None]
+        if self._rank == 0:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            found = self._s3.restore_newest(self._directory, newer_than)
+            if found is not None:
+                choice = [str(found[0]), found[1]]
+        dist.broadcast_object_list(choice, src=0)
+        return (Path(choice[0]), choice[1]) if choice[0] is not None else None
 
     def _newest_committed_step(self) -> int | None:
         """Collective: the step of the newest committed folder, unverified (cheap: a directory listing)."""

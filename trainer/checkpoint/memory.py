@@ -1,90 +1,137 @@
-"""An in-memory copy of one rank's training state, kept across in-process restarts.
+"""The memory tiers of one rank: its state in node memory every few steps, and a replica on a peer node.
 
-An in-process restart keeps the OS process, so the copy survives the rebuilt process group and Trainer and
-is reloaded instead of the checkpoint when it is newer and every rank holds the same step. Only local
-shards are kept (``DTensor.to_local()``): the restarted Trainer shards the model the same way (same world
-size, same mesh), so restoring is a plain copy into the fresh state dict's tensors — no collective, no disk.
+    tier = MemoryTier(cfg, run_id, rank, world_size, local_world_size)
+    tier.save(step, state)                 # when tier.due(step): copy to node memory, replicate to the peer
+    found = tier.restore_newest(state)     # collective: (step, "memory" | "peer"), or None: go to FSx
+
+Which rank keeps whose replica: ranks form a ring over nodes (see trainer.checkpoint.peer). Locally
+``checkpoint.memory_node_per_rank`` makes each rank a node of its own (``node-<rank>``), so one machine can
+drill a node loss: a rank SIGKILLed with its node folder wiped comes back from its peer's replica.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
+import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from trainer.checkpoint.node_store import (RankStore, StateMismatch, StoredCopy, check_fits, node_store_folder,
+                                           restore)
+from trainer.checkpoint.peer import PeerReplicator, receive_replica, send_replica
+from trainer.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
-class MemorySnapshot:
-    def __init__(self, interval_steps: int):
-        self.interval_steps = interval_steps
-        self.step: int | None = None
-        self._state: dict[str, Any] | None = None
+class MemoryTier:
+    def __init__(self, cfg: CheckpointConfig, run_id: str, rank: int, world_size: int, local_world_size: int):
+        self.interval_steps = cfg.memory_interval_steps
+        self.rank, self.world_size = rank, world_size
+        self.folder = node_store_folder(cfg.memory_dir, run_id)
+        self.ranks_per_node = 1 if cfg.memory_node_per_rank else local_world_size
+        nodes = world_size // self.ranks_per_node
+        node = rank // self.ranks_per_node
+        with_peer = cfg.peer_replica and nodes > 1
+        # The ring over nodes: rank r keeps the replica of r - ranks_per_node and sends its own to r + ranks_per_node.
+        self.replica_of = (rank - self.ranks_per_node) % world_size if with_peer else None
+        self.holder = (rank + self.ranks_per_node) % world_size if with_peer else None
+        self.store = RankStore(self.folder, node, rank, world_size, self.replica_of)
+        self.wait_for_replica = cfg.peer_replica_wait
+        self.replicator = (PeerReplicator(self.store.replica, self.holder, self.replica_of, sends_first=node % 2 == 0)
+                           if with_peer else None)
+        if cfg.peer_replica and not with_peer and rank == 0:
+            log.info("checkpoint.peer_replica: one node only, so no peer replica (node memory and FSx only)")
+        self.last_save_seconds = 0.0
+        self.last_saved_step: int | None = None
 
     def due(self, step: int) -> bool:
-        return self.interval_steps > 0 and step % self.interval_steps == 0
+        """Every interval_steps, once per step (the loop's last save asks again for the same step)."""
+        return self.interval_steps > 0 and step % self.interval_steps == 0 and step != self.last_saved_step
 
-    def capture(self, step: int, state: dict[str, Any]) -> None:
-        """Copy the state's tensors (local shards) to host memory, reusing the buffers of the last copy."""
-        previous = self._state
-        self.step = None  # a copy interrupted half-way must never be reloaded
-        self._state = _copy_tree(state, previous)
-        self.step = step
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        self.last_saved_step = step
+        if self.replicator is not None:
+            self.replicator.wait()  # the slot the last round sends is never the one overwritten now
+        copy = self.store.save(step, state)
+        if self.replicator is not None:
+            self.replicator.replicate(copy)
+            if self.wait_for_replica:
+                self.replicator.wait()
+        self.last_save_seconds = time.perf_counter() - started
 
-    def agreed_step(self) -> int | None:
-        """Collective: the snapshot's step when all ranks hold one of the same step, else None."""
-        steps: list[int | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(steps, self.step)
-        if self.step is None or any(s != self.step for s in steps):
-            if any(s is not None for s in steps):
-                log.warning("in-memory copies differ across ranks (steps %s): reloading from disk", steps)
+    # -- recovery ------------------------------------------------------------------------------------
+
+    def restore_newest(self, state: dict[str, Any], newer_than: int = -1) -> tuple[int, str] | None:
+        """Collective: fill `state` from the newest step after `newer_than` that every rank can restore, from
+        its own node memory or from the peer holding its replica, and say which ("memory", or "peer" when
+        some rank needed its peer). None when there is none (state untouched: the caller goes to FSx).
+
+        Candidates come from the slots' meta.json alone; only the copies a restore reads are verified, so a
+        restart hashes one copy per rank, not four. A copy that fails its checksum drops that step (with a
+        log line) and the next older candidate is tried."""
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (self.store.own_steps(), self.store.replica_steps()))
+        holder_of = {r: (r + self.ranks_per_node) % self.world_size for r in range(self.world_size)}
+        candidates = set().union(*(set(own) | set(held) for own, held in gathered))
+        for step in sorted((s for s in candidates if s > newer_than), reverse=True):
+            if all(step in gathered[r][0] or (self.holder is not None and step in gathered[holder_of[r]][1])
+                   for r in range(self.world_size)):
+                source = self.restore(step, state)
+                if source is not None:
+                    return step, source
+                if self.rank == 0:
+                    log.warning("node memory: step %d could not be restored on every rank; trying older", step)
+        if any(own for own, _ in gathered) and self.rank == 0:
+            log.warning("node memory: no step after %d restorable on every rank (own copies %s, replicas %s)",
+                        newer_than, [own for own, _ in gathered], [held for _, held in gathered])
+        return None
+
+    def restore(self, step: int, state: dict[str, Any]) -> str | None:
+        """Collective: fill `state` with this rank's copy of `step`, from node memory or, when this node lost
+        it, from the peer's replica over the process group. Returns "memory", "peer" (some rank needed its
+        peer), or None when any rank could not restore (the caller then falls back to FSx)."""
+        own = self.store.own_copy(step)
+        needs: list = [None] * self.world_size
+        dist.all_gather_object(needs, own is None)
+        if any(needs) and self.holder is None:
             return None
-        return self.step
+        # Ring order again: even nodes first send what their peer lacks, then receive; odd nodes the reverse.
+        order = ("send", "receive") if (self.rank // self.ranks_per_node) % 2 == 0 else ("receive", "send")
+        for action in order:
+            if action == "send":
+                self._send_if_needed(step, needs)
+            else:
+                own = self._receive_if_needed(needs, own)
+        ok = own is not None
+        if ok:
+            try:
+                check_fits(state, own.meta["layout"])
+            except StateMismatch as err:
+                log.warning("node memory: the copy of step %d does not fit this run (%s)", step, err)
+                ok = False
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, ok)
+        if not all(everyone):
+            return None  # nothing was changed: the caller falls back to FSx
+        restore(state, own.meta["layout"], own.data)
+        return "peer" if any(needs) else "memory"
 
-    def restore_into(self, state: dict[str, Any]) -> None:
-        """Copy the snapshot into a freshly built state dict of the same structure, in place."""
-        assert self._state is not None, "restore_into without a snapshot"
-        _restore_tree(self._state, state, path="")
+    def _send_if_needed(self, step: int, needs: list) -> None:
+        if self.replica_of is not None and needs[self.replica_of]:
+            send_replica(self.store.replica_copy(step), self.replica_of)
 
+    def _receive_if_needed(self, needs: list, own: StoredCopy | None) -> StoredCopy | None:
+        if needs[self.rank]:
+            received = receive_replica(self.store.own, self.holder)
+            log.warning("node memory of rank %d was gone: state of step %s received from rank %d's replica",
+                        self.rank, received.step if received else None, self.holder)
+            return received
+        return own
 
-def _copy_tree(value: Any, previous: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        local = _local(value)
-        if isinstance(previous, torch.Tensor) and previous.shape == local.shape and previous.dtype == local.dtype:
-            return previous.copy_(local)
-        return local.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        previous = previous if isinstance(previous, dict) else {}
-        return {key: _copy_tree(item, previous.get(key)) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        previous = previous if isinstance(previous, (list, tuple)) and len(previous) == len(value) else [None] * len(value)
-        return type(value)(_copy_tree(item, old) for item, old in zip(value, previous))
-    return copy.deepcopy(value)
-
-
-def _restore_tree(saved: Any, target: Any, path: str) -> Any:
-    """Returns the value to store at this position (tensors are filled in place)."""
-    if isinstance(target, torch.Tensor):
-        local = _local(target)
-        if not isinstance(saved, torch.Tensor) or saved.shape != local.shape:
-            raise RuntimeError(f"in-memory copy does not match the rebuilt state at {path or '<root>'}")
-        local.copy_(saved)
-        return target
-    if isinstance(target, dict):
-        if not isinstance(saved, dict) or saved.keys() != target.keys():
-            raise RuntimeError(f"in-memory copy does not match the rebuilt state at {path or '<root>'}")
-        for key in target:
-            target[key] = _restore_tree(saved[key], target[key], f"{path}.{key}" if path else str(key))
-        return target
-    if isinstance(target, list) and isinstance(saved, list) and len(saved) == len(target):
-        for index in range(len(target)):
-            target[index] = _restore_tree(saved[index], target[index], f"{path}[{index}]")
-        return target
-    return copy.deepcopy(saved)
+    def close(self, wait: bool = True) -> None:
+        """wait=False after a fault: a replica round in flight is dropped (the peer may be gone)."""
+        if self.replicator is not None:
+            self.replicator.close(wait=wait)

@@ -131,7 +131,16 @@ class KubernetesConfig:
     """vpc.amazonaws.com/efa devices per node (32 on p5.48xlarge; 0 = no EFA)."""
 
     shm_size: str = "256Gi"
-    """Size of the /dev/shm memory volume (NCCL, dataloaders, async checkpoint staging)."""
+    """Size of the /dev/shm memory volume (NCCL, dataloaders, async checkpoint staging), in Gi."""
+
+    node_memory_gib: int = 0
+    """Size of the node-memory volume (medium: Memory, mounted at checkpoint.memory_dir) in GiB: two copies of
+    the node's share of the training state plus two of its peer's. 0 derives it from the model
+    (trainer.launch_args.node_memory_gib)."""
+
+    process_memory_gib: int = 256
+    """Memory per node for the training processes themselves, on top of /dev/shm and the node-memory volume
+    (both count against the pod's memory limit, which is the sum of the three)."""
 
     node_selector: str = "node.kubernetes.io/instance-type=p5.48xlarge"
     """Training pods' node selector, comma-separated key=value pairs."""
@@ -165,6 +174,10 @@ class KubernetesConfig:
                  "GPU and EFA counts must be >= 0")
         require(self.launcher_poll_seconds > 0, "kubernetes.launcher_poll_seconds", "must be > 0")
         require(self.step_retries >= 0, "kubernetes.step_retries", "must be >= 0")
+        require(re.fullmatch(r"[1-9]\d*Gi", self.shm_size) is not None, "kubernetes.shm_size",
+                 f"{self.shm_size!r} must be a whole number of Gi, e.g. 256Gi")
+        require(self.node_memory_gib >= 0, "kubernetes.node_memory_gib", "must be >= 0 (0 derives it)")
+        require(self.process_memory_gib >= 1, "kubernetes.process_memory_gib", "must be >= 1")
         for pair in filter(None, (p.strip() for p in self.node_selector.split(","))):
             require("=" in pair, "kubernetes.node_selector", f"{pair!r} is not key=value")
         for item in filter(None, (t.strip() for t in self.tolerations.split(","))):

@@ -261,11 +261,46 @@ class CheckpointConfig:
     """Committed checkpoints to keep; older ones are deleted after a newer one commits."""
 
     resume: bool = True
-    """Resume from the newest committed checkpoint in `dir` when one exists."""
+    """Resume from the newest valid copy of the state when one exists (memory, peer, FSx, S3)."""
+
+    memory_interval_steps: int = 1
+    """Node-memory tier: every this many steps each rank copies its state into node-local shared memory that
+    outlives the worker process (double buffered, checksummed), so a restarted worker resumes from it without
+    reading the file system. 0 = off."""
+
+    memory_dir: str = "/dev/shm/resilient-train"
+    """Where the node-memory tier lives: a memory-backed folder (/dev/shm here; on EKS the runtime's
+    `node-memory` emptyDir with medium Memory). Each launch keeps its own folder below <memory_dir>/<run_id>/."""
+
+    memory_node_per_rank: bool = False
+    """Treat each rank as a node of its own in the memory tier (one machine standing in for several nodes:
+    tests, drills and the local demo); on a cluster the ranks of a node share it."""
+
+    peer_replica: bool = True
+    """Also keep each rank's memory copy on a peer node (a ring over nodes, over the process group), so the
+    ranks of a lost node get their state back from memory instead of storage. Needs two nodes or more."""
+
+    peer_replica_wait: bool = False
+    """Wait for each step's replica before the next step starts. False: the transfer runs beside the next step
+    (no stall), and a node lost while it is in flight resumes one step earlier (1 step replayed). True: a node
+    loss never replays a step, at the cost of the transfer on every step."""
+
+    s3_uri: str = ""
+    """S3 tier: every `s3_every` committed checkpoints, upload the committed folder to <s3_uri>/<run_id>/ (the
+    manifest last); a start with no valid copy nearer resumes from there. Empty = off."""
+
+    s3_every: int = 1
+    """Upload every this many committed checkpoints to s3_uri."""
 
     def __post_init__(self) -> None:
         require(self.interval_steps >= 1, "checkpoint.interval_steps", "must be >= 1")
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+        require(self.memory_interval_steps >= 0, "checkpoint.memory_interval_steps", "must be >= 0 (0 turns it off)")
+        require(self.s3_every >= 1, "checkpoint.s3_every", "must be >= 1")
+        if self.s3_uri:
+            check_s3_uri(self.s3_uri, "checkpoint.s3_uri")
+        require(not self.memory_interval_steps or self.memory_dir.startswith("/"), "checkpoint.memory_dir",
+                f"{self.memory_dir!r} must be an absolute path (a memory-backed folder such as /dev/shm/...)")
         require(0 <= self.background_nice <= 19, "checkpoint.background_nice", "must be in [0, 19]")
 
 
@@ -287,16 +322,16 @@ class ResilienceConfig:
     soft_timeout: float = 20.0
     """In-process: seconds without progress (one ping per step) before a rank is declared hung."""
 
-    memory_snapshot_interval_steps: int = 10
-    """In-process: every this many steps each rank keeps a copy of its training state in host memory; a
-    restart reloads it instead of the checkpoint when it is newer and the same step on all ranks. 0 = off."""
-
     launcher: Literal["ft_launcher", "torchrun"] = "ft_launcher"
     """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
     while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
 
     max_restarts: int = 3
     """In-job restarts before the launcher gives up (then the job-level relaunch takes over)."""
+
+    warm_start: bool = True
+    """Start every worker, and every restarted one, as a fork of a node-local server that has already imported
+    torch, transformers and the trainer (trainer.warm_start): a restart skips the imports (~4 s here)."""
 
     initial_heartbeat_timeout: float = 0.0
     """Seconds a worker may take from start to its first heartbeat: imports, process group (NCCL across every
@@ -328,8 +363,6 @@ class ResilienceConfig:
                  "must be >= 0 (0 derives it from the checkpoint size)")
         require(self.rendezvous_timeout > 0, "resilience.rendezvous_timeout", "must be > 0")
         require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
-        require(self.memory_snapshot_interval_steps >= 0, "resilience.memory_snapshot_interval_steps",
-                 "must be >= 0 (0 turns the in-memory copy off)")
         require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
         require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",
                  f"must be in (0, resilience.soft_timeout={self.soft_timeout})")
@@ -342,7 +375,8 @@ class FaultsConfig:
     schedule: str = ""
     """Comma-separated faults, TYPE@STEP or TYPE@t=SECONDS with an optional :rank=R, e.g.
     'sigkill@120:rank=1, hang@200'. Types: exception, hang, hang_in_collective, sigkill, exit (OOM-like,
-    code 137), slow_rank, checkpoint_writer_crash, and the save drills kill_during_shard_write,
+    code 137), slow_rank, checkpoint_writer_crash, node_loss (SIGKILL with the rank's node memory wiped),
+    corrupt_memory (SIGKILL with its newest memory copy corrupted), and the save drills kill_during_shard_write,
     kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
     sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not
     fire it again."""

@@ -28,7 +28,8 @@ from trainer.events import read_events
 
 log = logging.getLogger(__name__)
 
-LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash")
+LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash",
+               "node_loss", "corrupt_memory")
 # Save drill -> the sub-step of CheckpointManager.save it kills at (the manager calls save_point(point, step)).
 SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
               "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
@@ -89,7 +90,9 @@ class FaultInjector:
     """Fires this rank's scheduled faults; a no-op when the schedule is empty."""
 
     def __init__(self, faults: list[Fault], rank: int, events, fired_keys: set[str], run_started_at: float,
-                 slow_seconds: float):
+                 slow_seconds: float, node_memory=None):
+        """node_memory: this rank's node-memory store (trainer.checkpoint.node_store.RankStore), for the
+        node_loss and corrupt_memory drills; None when the memory tier is off."""
         mine = [f for f in faults if f.rank == rank and f.key not in fired_keys]
         self.pending = [f for f in mine if f.type not in SAVE_KILLS]
         self.save_kills = [f for f in mine if f.type in SAVE_KILLS]
@@ -97,6 +100,7 @@ class FaultInjector:
         self.events = events
         self.run_started_at = run_started_at
         self.slow_seconds = slow_seconds
+        self.node_memory = node_memory
         if mine:
             log.warning("fault injection armed on rank %d: %s", rank, ", ".join(f.key for f in mine))
 
@@ -128,6 +132,14 @@ class FaultInjector:
         if fault.type == "exception":
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
         if fault.type == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.type in ("node_loss", "corrupt_memory"):
+            if self.node_memory is None:
+                log.warning("%s on rank %d: the memory tier is off, so this is a plain SIGKILL", fault.type, self.rank)
+            elif fault.type == "node_loss":  # the node is gone: its memory (own copies and replicas) with it
+                self.node_memory.wipe()
+            else:  # the newest own copy no longer matches its checksum: a restart must skip it
+                self.node_memory.own.corrupt_newest()
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.type == "exit":
             os._exit(137)  # what the kernel's OOM killer leaves as the exit status

@@ -18,35 +18,18 @@ import os
 import time
 from typing import Any
 
-import psutil
-
 from trainer.config import Config
 from trainer.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
 from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
 from trainer.resilience.health import GpuHealth, efa_memlock_check
+from trainer.run_dir import RunDir, read_jsonl
+from trainer.worker_clock import worker_started_at
 
 log = logging.getLogger(__name__)
 
 LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
 JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
-
-
-def process_started_at() -> float:
-    """Wall-clock time this process started, to ~10 ms.
-
-    Not psutil's create_time(): it adds the start ticks to /proc/stat's btime, which is whole seconds, so a
-    worker restarted within a second of a fault can appear to have started before it.
-    """
-    try:
-        with open("/proc/self/stat") as handle:
-            after_name = handle.read().rsplit(")", 1)[1].split()
-        with open("/proc/uptime") as handle:
-            uptime = float(handle.read().split()[0])
-    except OSError:  # not Linux
-        return psutil.Process().create_time()
-    start_ticks = int(after_name[19])  # field 22, starttime, counted from field 3 (state)
-    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class Heartbeat:
@@ -69,13 +52,13 @@ class Heartbeat:
 
 class ResilienceHooks:
     def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
-                 telemetry=None):
+                 telemetry=None, node_memory=None):
         self.cfg = cfg
         self.rank = rank
         self.events = events
         self.in_process = in_process
         # For an in-process restart the "process" that restarts is the attempt, not the OS process.
-        self.process_started_at = in_process.started_at if in_process else process_started_at()
+        self.process_started_at = in_process.started_at if in_process else worker_started_at()
         self.in_process_iteration = in_process.iteration if in_process else 0
         self.ping = in_process.ping if in_process else (lambda: None)
         self.telemetry = telemetry
@@ -91,7 +74,8 @@ class ResilienceHooks:
             faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types, world_size,
                                       cfg.faults.seed)
         self.injector = FaultInjector(faults, rank, events, fired_fault_keys(cfg.run_dir),
-                                      run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds)
+                                      run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds,
+                                      node_memory=node_memory)
         self._resume: dict[str, Any] | None = None
         self._first_step_done = False
 
@@ -99,12 +83,13 @@ class ResilienceHooks:
         launches = read_events(self.cfg.run_dir, "launch")
         return launches[0]["time"] if launches else time.time()
 
-    def start(self) -> None:
-        """Called once the process group is up: record this launch (rank 0), check what EFA needs."""
+    def start(self, init_seconds: dict[str, float] | None = None) -> None:
+        """Called once the trainer is built: record this launch (rank 0) with where its start-up time went
+        (init_seconds: imports, process group, model, ...), check what EFA needs."""
         if self.rank == 0:
             self.events.write("launch", launcher=self.launcher, restart_iteration=self.restart_iteration,
                               job_attempt=self.job_attempt, in_process_iteration=self.in_process_iteration,
-                              process_started_at=self.process_started_at)
+                              process_started_at=self.process_started_at, init_seconds=init_seconds or {})
         memlock = efa_memlock_check(dict(os.environ))
         if memlock is not None and not memlock["ok"]:
             log.error("EFA: %s (memlock %s)", memlock["fix"], memlock["memlock_soft"])
@@ -140,6 +125,14 @@ class ResilienceHooks:
                 self._record_recovery(step)
         self.injector.maybe_inject(step)
 
+    def _lost_steps(self, reloaded_step: int) -> int | None:
+        """Steps completed before the fault that must be trained again: the last step the failed attempt
+        recorded (metrics.jsonl, before this process started) minus the step reloaded. Not the fault's own
+        step: a fault can surface later (a killed checkpoint writer fails the next save)."""
+        completed = [r["step"] for r in read_jsonl(RunDir(self.cfg.run_dir).metrics)
+                     if r.get("time", 0) < self.process_started_at]
+        return max(0, max(completed) - reloaded_step) if completed else None
+
     def _record_recovery(self, step: int) -> None:
         now = time.time()
         recovered = {e.get("fault_key") for e in read_events(self.cfg.run_dir, "recovery")}
@@ -159,7 +152,7 @@ class ResilienceHooks:
             "restart_iteration": iteration,
             "reloaded_step": resume["reloaded_step"],
             "reload_source": resume["source"],
-            "lost_steps": (fault["step"] - resume["reloaded_step"]) if fault else None,
+            "lost_steps": self._lost_steps(resume["reloaded_step"]),
             "detect_and_teardown_seconds": (self.process_started_at - fault_time) if fault_time else None,
             "reinit_seconds": resume["load_started"] - self.process_started_at,
             "reload_seconds": resume["load_seconds"],

@@ -3,8 +3,8 @@
 No ``from __future__ import annotations`` here: NVRx finds the ``CallWrapper`` parameter by its annotation.
 Each restart iteration builds a fresh process group (gloo or NCCL) on the application's TCPStore at
 MASTER_PORT+1 under a per-iteration prefix (the Wrapper's own store is on MASTER_PORT+2), runs the training
-function with an ``InProcessAttempt`` — iteration, progress ping, store port and the in-memory copy of the
-training state, which outlives the iterations (trainer.checkpoint.memory) — and continues. Process deaths
+function with an ``InProcessAttempt`` — iteration, progress ping, store port — and continues; the restarted
+Trainer resumes from the node-memory tier, which outlives the iterations (trainer.checkpoint.memory). Process deaths
 end the wrapped call's processes and are ft_launcher's business (layer 2); so is a fault that outlasts
 ``resilience.in_process_max_restarts``.
 """
@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from trainer.checkpoint.memory import MemorySnapshot
 from trainer.config import Config
 from trainer.resilience import nvrx_compat
 
@@ -30,7 +29,6 @@ class InProcessAttempt:
     started_at: float
     ping: Callable[[], None]
     store_port: int
-    snapshot: MemorySnapshot
 
 
 def run_with_in_process_restart(cfg: Config, train: Callable[[InProcessAttempt], None]) -> None:
@@ -39,7 +37,6 @@ def run_with_in_process_restart(cfg: Config, train: Callable[[InProcessAttempt],
     from nvidia_resiliency_ext import inprocess  # optional: only with resilience.in_process
 
     master_port = int(os.environ["MASTER_PORT"])
-    snapshot = MemorySnapshot(cfg.resilience.memory_snapshot_interval_steps)  # outlives the iterations
     wrapper = nvrx_compat.in_process_wrapper(
         store_port=master_port + 2, soft_timeout=cfg.resilience.soft_timeout,
         max_restarts=cfg.resilience.in_process_max_restarts, on_cuda=torch.cuda.is_available()
@@ -48,6 +45,6 @@ def run_with_in_process_restart(cfg: Config, train: Callable[[InProcessAttempt],
     @wrapper
     def attempt(call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
         train(InProcessAttempt(iteration=call_wrapper.iteration, started_at=time.time(), ping=call_wrapper.ping,
-                               store_port=master_port + 1, snapshot=snapshot))
+                               store_port=master_port + 1))
 
     attempt()

@@ -81,13 +81,19 @@ FT_LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
 HEALTH_CHECK_FLAG = "--ft-node-health-check-endpoint"  # NVRx >= 0.5
 
 
+WORKLOAD_CHECK_INTERVAL_SECONDS = 1.0
+
+
 def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float, max_restarts: int,
                       node_health_check_endpoint: str = "") -> list[str]:
     """Flags spelled the same in 0.4.1 and >= 0.5; timeouts always passed (their defaults differ by version).
     Flags only newer versions know are dropped at run time by `runtime_launcher_args`, where the version is."""
     flags = [f"--max-restarts={max_restarts}",
              f"--ft-initial-rank-heartbeat-timeout={initial_heartbeat_timeout}",
-             f"--ft-rank-heartbeat-timeout={heartbeat_timeout}"]
+             f"--ft-rank-heartbeat-timeout={heartbeat_timeout}",
+             # The rank monitors look for a missed heartbeat every this many seconds (NVRx default 5 s, added to
+             # every hang's detection); 1 s costs a timer per rank.
+             f"--ft-workload-check-interval={WORKLOAD_CHECK_INTERVAL_SECONDS}"]
     if node_health_check_endpoint:
         flags.append(f"{HEALTH_CHECK_FLAG}={node_health_check_endpoint}")
     return flags

@@ -1,0 +1,60 @@
+"""The node-memory tier under real faults: 2 CPU ranks under ft_launcher, each rank a node of its own
+(checkpoint.memory_node_per_rank), its state copied to node memory after every step and replicated to the
+other rank. FSx checkpoints every 3 steps (the newest before the faults at step 5 is step 3), so a resume
+from FSx would lose 2 steps.
+"""
+
+import pytest
+
+from components.train.local import run_local_training
+from components.train.report import read_metrics
+from trainer.events import read_events
+from trainer.run_dir import RunDir
+
+pytestmark = pytest.mark.integration
+
+STEPS = ["--training.num_steps=8", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
+         "--resilience.job_restarts=0"]
+
+
+def _losses(cfg):
+    return {r["step"]: r["loss"] for r in read_metrics(RunDir(cfg.run_dir).metrics)}
+
+
+@pytest.fixture(scope="module")
+def clean_losses(tmp_path_factory, token_dir, training_config):
+    cfg = training_config(tmp_path_factory.mktemp("clean"), "clean", *STEPS)
+    run_local_training(cfg, token_dir)
+    return _losses(cfg)
+
+
+@pytest.mark.parametrize("fault, extra, source, reloaded", [
+    ("sigkill@5:rank=1", [], "memory", {5}),  # a process fault: the node's memory holds step 5, copied before
+    # Rank 1's node memory is gone; rank 0 keeps its replica. Replication runs beside the next step, so the
+    # replica of the step that had just completed may still have been in flight: step 5, or step 4.
+    ("node_loss@5:rank=1", [], "peer", {4, 5}),
+    # Waiting for each replica: the peer always holds the step that had completed.
+    ("node_loss@5:rank=1", ["--checkpoint.peer_replica_wait=true"], "peer", {5}),
+    # No replica, and the newest copy corrupt: the other slot (step 4) is the newest intact copy.
+    ("corrupt_memory@5:rank=1", ["--checkpoint.peer_replica=false"], "memory", {4}),
+])
+def test_a_fault_resumes_from_the_nearest_copy_with_bit_identical_losses(tmp_path, token_dir, training_config,
+                                                                         clean_losses, fault, extra, source, reloaded):
+    cfg = training_config(tmp_path, "faulty", *STEPS, f"--faults.schedule={fault}", *extra)
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == 8
+    assert _losses(cfg) == clean_losses  # every step, replays included, bit-identical
+    [recovery] = read_events(cfg.run_dir, "recovery")
+    assert recovery["mechanism"] == "ft_launcher"
+    assert recovery["reload_source"] == source and recovery["reloaded_step"] in reloaded
+    assert recovery["lost_steps"] == 5 - recovery["reloaded_step"]
+    if fault.startswith("corrupt"):
+        assert "does not match its checksum" in RunDir(cfg.run_dir).train_log.read_text()
+
+
+def test_a_launch_removes_its_node_memory_when_it_ends(tmp_path, token_dir, training_config):
+    cfg = training_config(tmp_path, "tidy", "--training.num_steps=2", "--checkpoint.interval_steps=2")
+    run_local_training(cfg, token_dir)
+    root = tmp_path / "node-memory" / "tidy"
+    assert root.is_dir() and list(root.iterdir()) == []
