@@ -25,7 +25,7 @@ COPY pipelines ./pipelines
 COPY components ./components
 COPY trainer ./trainer
 # Against the base's own constraints: its torch is never replaced. The project itself without its
-# pipeline-side dependencies (kfp, mlflow, boto3): the trainer does not import them.
+# pipeline-side dependencies (kfp, mlflow): the trainer does not import them (boto3 it does, for the S3 tier).
 RUN pip install --no-cache-dir -c /etc/pip/constraint.txt -r docker/trainer-requirements.txt \
     && pip install --no-cache-dir --no-deps . \
     && python -c "import trainer.cli, nvidia_resiliency_ext, torch; assert torch.cuda.is_available() or True" \

@@ -3,6 +3,7 @@ kubernetes-validate (strict) and the Trainer / Kueue objects their CRD schemas (
 finds nothing (skips carry a reason); the IAM policies are least privilege; the cluster values come from
 one file; pod security holds everywhere."""
 
+import fnmatch
 import json
 import re
 import subprocess
@@ -152,3 +153,35 @@ def test_iam_policies_are_least_privilege(policy):
         resources = resources if isinstance(resources, list) else [resources]
         if "*" in resources:  # only the FSx describe calls, which have no resource-level permissions
             assert all(a.startswith("fsx:Describe") for a in actions), statement["Sid"]
+
+
+def _allowed(document: dict, action: str, resource: str, prefix: str | None = None) -> bool:
+    """IAM's evaluation for what these policies use: Allow statements, exact actions, `*` wildcards in
+    resources, and StringLike on s3:prefix (which a ListBucket request must satisfy)."""
+    for statement in document["Statement"]:
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+        if statement["Effect"] != "Allow" or action not in actions:
+            continue
+        if not any(fnmatch.fnmatchcase(resource, pattern) for pattern in resources):
+            continue
+        condition = statement.get("Condition", {}).get("StringLike", {}).get("s3:prefix")
+        if condition is not None and not (prefix is not None and any(fnmatch.fnmatchcase(prefix, c) for c in condition)):
+            continue
+        return True
+    return False
+
+
+def test_the_trainer_role_allows_every_call_of_the_s3_checkpoint_tier():
+    """trainer/checkpoint/s3_tier.py lists (ListObjectsV2: s3:ListBucket on the bucket, with the prefix as
+    s3:prefix), uploads (PutObject, and for multipart CreateMultipartUpload/UploadPart/CompleteMultipartUpload,
+    all authorised by s3:PutObject; AbortMultipartUpload by its own action), downloads (GetObject, HeadObject:
+    s3:GetObject) and deletes (s3:DeleteObject) under checkpoint.s3_uri — per the Service Authorization
+    Reference for Amazon S3. The documented place is s3://ARTIFACT_BUCKET/checkpoints/ (manifests/iam/README.md)."""
+    document = json.loads((MANIFESTS / "iam" / "trainer-policy.json").read_text())
+    bucket, key = "arn:aws:s3:::ARTIFACT_BUCKET", "checkpoints/run-1/step-000010/__0_0.distcp"
+    assert _allowed(document, "s3:ListBucket", bucket, prefix="checkpoints/run-1/")
+    for action in ("s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert _allowed(document, action, f"{bucket}/{key}"), action
+    assert not _allowed(document, "s3:ListBucket", bucket, prefix="mlflow/")  # the prefix, not the bucket
+    assert not _allowed(document, "s3:PutObject", "arn:aws:s3:::DATA_BUCKET/datasets/x")  # data stays read-only

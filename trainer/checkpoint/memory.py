@@ -39,8 +39,8 @@ class MemoryTier:
         self.holder = (rank + self.ranks_per_node) % world_size if with_peer else None
         self.store = RankStore(self.folder, node, rank, world_size, self.replica_of)
         self.wait_for_replica = cfg.peer_replica_wait
-        self.replicator = (PeerReplicator(self.store.replica, self.holder, self.replica_of, sends_first=node % 2 == 0)
-                           if with_peer else None)
+        self.replicator = (PeerReplicator(self.store.replica, self.holder, self.replica_of, sends_first=node % 2 == 0,
+                                          nice=cfg.background_nice) if with_peer else None)
         if cfg.peer_replica and not with_peer and rank == 0:
             log.info("checkpoint.peer_replica: one node only, so no peer replica (node memory and FSx only)")
         self.last_save_seconds = 0.0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import queue
 import threading
 from typing import Any
@@ -56,17 +57,38 @@ def _receive_copy_into(pair: SlotPair, src: int, group=None) -> Slot | None:
     return slot
 
 
+def _thread_ids() -> set[int]:
+    try:
+        return {int(name) for name in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: no per-thread priorities
+        return set()
+
+
+def _renice(thread_id: int, nice: int) -> None:
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread_id, nice)
+        except OSError as err:  # a thread that has already exited, or a platform without it
+            log.debug("could not renice thread %d: %s", thread_id, err)
+
+
 class PeerReplicator:
     """The ring transfer of one rank: send own copies to `send_to`, keep `receive_from`'s in `replica`."""
 
     def __init__(self, replica: SlotPair, send_to: int, receive_from: int, sends_first: bool,
-                 timeout_seconds: float = 1800.0):
+                 timeout_seconds: float = 1800.0, nice: int = 0):
         """sends_first alternates along the ring (even nodes send first, odd nodes receive first), so blocking
-        gloo pairs never wait on each other."""
+        gloo pairs never wait on each other. nice: the transfer's CPU priority (checkpoint.background_nice),
+        so that where cores are short the training loop's threads come first."""
         self.replica, self.send_to, self.receive_from = replica, send_to, receive_from
         self.sends_first = sends_first
+        self.nice = nice
         # Its own group: the transfer runs beside the training loop's collectives on the default group.
+        threads_before = _thread_ids()
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+        # gloo runs the sends and receives on the group's own worker threads, started just now.
+        for thread_id in _thread_ids() - threads_before:
+            _renice(thread_id, nice)
         self._rounds: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -97,6 +119,7 @@ class PeerReplicator:
         self._rounds.put(None)
 
     def _run(self) -> None:
+        _renice(threading.get_native_id(), self.nice)
         while True:
             copy = self._rounds.get()
             if copy is None:

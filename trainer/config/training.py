@@ -249,7 +249,8 @@ class CheckpointConfig:
 
     background_nice: int = 10
     """CPU priority (Unix nice, 0-19) of background checkpoint work (the async writer process, the commit
-    thread): with every core busy training, it then takes idle cycles first. 0 leaves it unchanged."""
+    thread, the peer replica's transfer): with every core busy training, it then takes idle cycles first.
+    0 leaves it unchanged."""
 
     dir: str = ""
     """Checkpoint folder; empty means <data.fsx_root>/runs/<run.run_id>/checkpoints."""

@@ -1,0 +1,87 @@
+"""Warm worker starts (trainer/warm_start.py): the worker ft_launcher starts is a thin client that runs the
+trainer as a fork of the node's server. ft_launcher only ever sees the client, so the client must behave as
+the trainer would: its output, its exit status, its death taking the trainer with it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from trainer.run_dir import RunDir
+from trainer.warm_start import WARM_START_ENV, wait_until_serving
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def server(tmp_path):
+    socket_path = tmp_path / "server.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.warm_start", str(socket_path)])
+    try:
+        assert wait_until_serving(str(socket_path), timeout=120)
+        yield proc, socket_path
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _client(socket_path, *args, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], env={**os.environ, WARM_START_ENV: str(socket_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def test_the_worker_runs_in_the_server_with_its_own_arguments_output_and_exit_status(server, tmp_path):
+    proc, socket_path = server
+    client = _client(socket_path, "--config", "local", "--data-dir", str(tmp_path), "--training.num_steps=0",
+                     cwd=tmp_path)
+    _, stderr = client.communicate(timeout=60)
+    assert client.returncode == 2  # a ConfigError, reported as the trainer reports it
+    assert "training.num_steps" in stderr  # the child's stderr is the client's
+    assert proc.poll() is None  # the server serves the next worker
+
+
+def test_killing_the_worker_kills_the_trainer_it_runs(server, tmp_path, token_dir, training_config):
+    proc, socket_path = server
+    cfg = training_config(tmp_path, "warm", "--training.num_steps=50", "--faults.schedule=hang@2",
+                          "--checkpoint.memory_interval_steps=0")
+    config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
+    client = _client(socket_path, "--config", str(config), "--data-dir", str(token_dir))
+    deadline = time.monotonic() + 60
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [child] = psutil.Process(proc.pid).children()
+    assert child.cmdline() == psutil.Process(proc.pid).cmdline()  # a fork of the server, not a new interpreter
+    client.send_signal(signal.SIGKILL)  # as ft_launcher's stop escalates, or the OOM killer
+    client.wait()
+    gone, alive = psutil.wait_procs([child], timeout=10)
+    assert not alive, "the trainer outlived the worker ft_launcher knows"
+    assert proc.poll() is None
+
+
+def test_a_signal_to_the_worker_reaches_the_trainer_and_its_status_comes_back(server, tmp_path, token_dir,
+                                                                              training_config):
+    proc, socket_path = server
+    cfg = training_config(tmp_path, "warm-term", "--training.num_steps=50", "--faults.schedule=hang@2",
+                          "--checkpoint.memory_interval_steps=0")
+    config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
+    client = _client(socket_path, "--config", str(config), "--data-dir", str(token_dir))
+    deadline = time.monotonic() + 60
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1)
+    client.send_signal(signal.SIGTERM)  # what ft_launcher sends first when it stops a worker group
+    client.communicate(timeout=60)
+    assert client.returncode == 128 + signal.SIGTERM
+    assert not psutil.Process(proc.pid).children()
+
+
+def test_without_a_server_the_worker_starts_cold(tmp_path):
+    client = _client(tmp_path / "no-such.sock", "--config", "local", "--data-dir", str(tmp_path),
+                     "--training.num_steps=0")
+    _, stderr = client.communicate(timeout=120)
+    assert client.returncode == 2 and "training.num_steps" in stderr
