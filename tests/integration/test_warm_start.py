@@ -35,6 +35,19 @@ def _client(socket_path, *args, **kwargs) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
+def _hanging_trainer(proc, socket_path, tmp_path, token_dir, training_config):
+    """A worker whose trainer hangs at step 2, and that trainer (the server's child)."""
+    cfg = training_config(tmp_path, "warm", "--training.num_steps=50", "--faults.schedule=hang@2",
+                          "--checkpoint.memory_interval_steps=0")
+    config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
+    client = _client(socket_path, "--config", str(config), "--data-dir", str(token_dir))
+    deadline = time.monotonic() + 60
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [child] = psutil.Process(proc.pid).children()
+    return client, child
+
+
 def test_the_worker_runs_in_the_server_with_its_own_arguments_output_and_exit_status(server, tmp_path):
     proc, socket_path = server
     client = _client(socket_path, "--config", "local", "--data-dir", str(tmp_path), "--training.num_steps=0",
@@ -47,14 +60,7 @@ def test_the_worker_runs_in_the_server_with_its_own_arguments_output_and_exit_st
 
 def test_killing_the_worker_kills_the_trainer_it_runs(server, tmp_path, token_dir, training_config):
     proc, socket_path = server
-    cfg = training_config(tmp_path, "warm", "--training.num_steps=50", "--faults.schedule=hang@2",
-                          "--checkpoint.memory_interval_steps=0")
-    config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
-    client = _client(socket_path, "--config", str(config), "--data-dir", str(token_dir))
-    deadline = time.monotonic() + 60
-    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    [child] = psutil.Process(proc.pid).children()
+    client, child = _hanging_trainer(proc, socket_path, tmp_path, token_dir, training_config)
     assert child.cmdline() == psutil.Process(proc.pid).cmdline()  # a fork of the server, not a new interpreter
     client.send_signal(signal.SIGKILL)  # as ft_launcher's stop escalates, or the OOM killer
     client.wait()
@@ -66,13 +72,7 @@ def test_killing_the_worker_kills_the_trainer_it_runs(server, tmp_path, token_di
 def test_a_signal_to_the_worker_reaches_the_trainer_and_its_status_comes_back(server, tmp_path, token_dir,
                                                                               training_config):
     proc, socket_path = server
-    cfg = training_config(tmp_path, "warm-term", "--training.num_steps=50", "--faults.schedule=hang@2",
-                          "--checkpoint.memory_interval_steps=0")
-    config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
-    client = _client(socket_path, "--config", str(config), "--data-dir", str(token_dir))
-    deadline = time.monotonic() + 60
-    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    client, _ = _hanging_trainer(proc, socket_path, tmp_path, token_dir, training_config)
     time.sleep(1)
     client.send_signal(signal.SIGTERM)  # what ft_launcher sends first when it stops a worker group
     client.communicate(timeout=60)
