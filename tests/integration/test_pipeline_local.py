@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from trainer.events import read_events
+
 pytestmark = pytest.mark.integration
 
 FAST = ["--training.num_steps=6", "--checkpoint.interval_steps=3", "--training.batch_size=4",
@@ -110,7 +112,12 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     losses = client.get_metric_history(by_step["train"].info.run_id, "loss")
     assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
     stalls = client.get_metric_history(by_step["train"].info.run_id, "checkpoint_blocking_seconds")
-    assert [m.step for m in stalls] == [3, 6]  # checkpoint.interval_steps=3
+    # checkpoint.interval_steps=3. The SIGKILL drill at step 4 may cut the first (slow) save of step 3 short,
+    # and the restart resumes from node memory at step 4, so nothing saves step 3 again: MLflow has what the
+    # ranks recorded as written.
+    written = sorted(e["step"] for e in read_events(work / "fsx" / "runs" / "e2e", "checkpoint_written")
+                     if e["rank"] == 0)
+    assert [m.step for m in stalls] == written and 6 in written and set(written) <= {3, 6}
     assert by_step["validate"].data.metrics["checks_passed"] == 4
     assert by_step["stage"].data.metrics["objects"] == 4
     train = by_step["train"]
