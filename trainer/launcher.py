@@ -69,20 +69,19 @@ def start_fork_server() -> tuple[subprocess.Popen, Path]:
 
 
 def main(argv: list[str]) -> None:
-    store = server = None
-    if argv and argv[0].startswith(NODE_STORE_OPTION):
-        store = launch_node_store(Path(argv.pop(0)[len(NODE_STORE_OPTION):]))
-        os.environ[NODE_STORE_ENV] = str(store)
-    if not argv or argv[0] not in LAUNCHERS and argv[0] != FORK_SERVER_OPTION:
+    store_root = argv.pop(0)[len(NODE_STORE_OPTION):] if argv and argv[0].startswith(NODE_STORE_OPTION) else None
+    fork_server = bool(argv) and argv[0] == FORK_SERVER_OPTION and bool(argv.pop(0))
+    if not argv or argv[0] not in LAUNCHERS:
         sys.exit(f"usage: python -m trainer.launcher [{NODE_STORE_OPTION}DIR] [{FORK_SERVER_OPTION}] "
                  f"{{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
     watch_parent()
     forked_children_die_with_this_process()
-    if argv[0] == FORK_SERVER_OPTION:
-        argv.pop(0)
+    store = server = None
+    if store_root is not None:
+        store = launch_node_store(Path(store_root))
+        os.environ[NODE_STORE_ENV] = str(store)
+    if fork_server:
         server, server_folder = start_fork_server()
-    if not argv or argv[0] not in LAUNCHERS:
-        sys.exit(f"usage: python -m trainer.launcher ... {{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
     launcher, module = argv[0], LAUNCHERS[argv[0]]
     sys.argv = [module, *runtime_launcher_args(launcher, argv[1:], dict(os.environ))]
     try:

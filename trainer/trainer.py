@@ -30,7 +30,7 @@ from trainer import logs
 from trainer.checkpoint.format import committed_checkpoints, step_dir_name
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.memory import MemoryTier
-from trainer.checkpoint.node_store import META, NODE_STORE_ENV
+from trainer.checkpoint.node_store import NODE_STORE_ENV, holds_a_copy
 from trainer.checkpoint.s3_tier import S3Tier
 from trainer.config import Config
 from trainer.data import TokenBatches, load_meta
@@ -181,9 +181,8 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         if not (ckpt.enabled and ckpt.resume):
             return False
-        store = os.environ.get(NODE_STORE_ENV)
         seen = bool(ckpt.s3_uri or committed_checkpoints(self.cfg.checkpoint_dir)
-                    or (store and next(Path(store).glob(f"node-*/*/slot-*/{META}"), None)))
+                    or holds_a_copy(os.environ.get(NODE_STORE_ENV)))
         if self.world_size > 1:
             flag = torch.tensor(int(seen), device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -60,6 +60,11 @@ def node_store_folder(memory_dir: str, run_id: str) -> Path:
     return Path(os.environ[NODE_STORE_ENV])
 
 
+def holds_a_copy(folder: str | Path | None) -> bool:
+    """Whether a store folder holds any committed copy (own or replica) — a look at the listing, nothing read."""
+    return bool(folder) and next(Path(folder).glob(f"node-*/*/slot-*/{META}"), None) is not None
+
+
 # -- one state dict <-> bytes --------------------------------------------------------------------------
 
 
