@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-COLUMNS = ["run", "started", "status", "trigger", "config_differences", "goodput", "recoveries", "lost_steps",
-           "checkpoint_stall_s", "final_train_loss", "heldout_loss", "promoted"]
+BADPUT = ["checkpoint_save", "checkpoint_load", "wasted_progress", "infrastructure_recovery", "startup", "data_loading"]
+COLUMNS = ["run", "started", "status", "trigger", "config_differences", "goodput", *(f"badput_{b}" for b in BADPUT),
+           "recoveries", "lost_steps", "checkpoint_stall_s", "final_train_loss", "heldout_loss", "promoted"]
 _NOT_CONFIG = ("run.run_id", "run.work_dir", "data.fsx_root", "checkpoint.dir", "mlflow.", "local.")
 
 
@@ -48,6 +49,7 @@ def compare_runs(tracking_uri: str, experiment: str, *, last: int = 10, filter_s
             "trigger": tags.get("trigger", ""),
             "config_differences": " ".join(f"{k}={run.data.params.get(k)}" for k in sorted(differing)),
             "goodput": metrics.get("goodput"),
+            **{f"badput_{b}": metrics.get(f"badput_{b}") for b in BADPUT},
             "recoveries": metrics.get("recoveries"),
             "lost_steps": metrics.get("lost_steps"),
             "checkpoint_stall_s": metrics.get("checkpoint_stall_mean_seconds"),
@@ -73,9 +75,9 @@ def render(rows: list[dict[str, Any]], fmt: str = "table") -> str:
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=COLUMNS, lineterminator="\n")
         writer.writeheader()
-        writer.writerows({k: _cell(row[k]) for k in COLUMNS} for row in rows)
+        writer.writerows({k: _cell(row.get(k)) for k in COLUMNS} for row in rows)
         return out.getvalue()
-    cells = [[_cell(row[c]) for c in COLUMNS] for row in rows]
+    cells = [[_cell(row.get(c)) for c in COLUMNS] for row in rows]
     if fmt == "markdown":
         lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]

@@ -236,8 +236,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
+        data_seconds = 0.0
         for micro in range(t.grad_accum_steps):
+            fetch_started = time.perf_counter()
             inputs, labels = self.batches.batch(self.step, micro, self.rank)
+            data_seconds += time.perf_counter() - fetch_started
             inputs = torch.from_numpy(inputs).to(self.device)
             labels = torch.from_numpy(labels).to(self.device)
             logits = self.model(input_ids=inputs).logits
@@ -257,7 +260,8 @@ class Trainer:
         seconds = time.perf_counter() - started
         tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
         return {"step": self.step, "loss": self.last_loss, "lr": lr,
-                "grad_norm": float(grad_norm), "step_seconds": seconds, "tokens_per_second": tokens / seconds}
+                "grad_norm": float(grad_norm), "step_seconds": seconds, "data_seconds": data_seconds,
+                "tokens_per_second": tokens / seconds}
 
     def should_continue_training(self) -> bool:
         return self.step < self.cfg.training.num_steps
@@ -277,9 +281,11 @@ class Trainer:
                 saved = self.checkpointer.save(self.step, self.state_dict, last=not self.should_continue_training())
                 self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)
                 self.resilience.after_step(self.step)
+        tail_started = time.perf_counter()
         self.checkpointer.save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
         self.checkpointer.wait()
-        result = {"steps": self.step, "steps_this_launch": self.step - started_at_step,
+        result = {"final_checkpoint_wait_seconds": time.perf_counter() - tail_started,
+                  "steps": self.step, "steps_this_launch": self.step - started_at_step,
                   "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
                   "checkpoint_dir": str(self.cfg.checkpoint_dir),
                   "checkpoint": (str(self.cfg.checkpoint_dir / step_dir_name(self.step))

@@ -62,6 +62,9 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
             totals = train["recovery_totals"]
             metrics.update(recoveries=totals["recoveries"], lost_steps=totals["lost_steps"],
                            checkpoint_stall_mean_seconds=train.get("checkpoint_stall_mean_seconds", 0.0))
+            if train.get("job_wall_seconds"):  # badput by category, as a fraction of the job's wall time
+                metrics.update({f"badput_{name}": seconds / train["job_wall_seconds"]
+                                for name, seconds in (train.get("badput_seconds") or {}).items()})
         if metrics:
             mlflow.log_metrics(tracking.PARENT, [{"step": summary["steps_trained"] or 0, **metrics}])
         write_json(run_dir.summary, summary)

@@ -18,6 +18,7 @@ from components.train.system_metrics import SystemMetricsSampler
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
 from trainer.config import Config
 from trainer.events import read_events
+from trainer.planning.measured import measured_costs
 from trainer.run_dir import RunDir
 
 
@@ -28,7 +29,7 @@ def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
             result = run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled else run_local_training(cfg, Path(data_dir))
         metrics = read_metrics(Path(result["metrics_file"]))
         checkpoints = checkpoint_metric_records(cfg.run_dir)
-        stalls = [c["checkpoint_blocking_seconds"] for c in checkpoints]
+        stalls = [c["checkpoint_loop_wait_seconds"] for c in checkpoints]
         result["checkpoint_saves"] = len(stalls)
         result["checkpoint_stall_mean_seconds"] = sum(stalls) / len(stalls) if stalls else 0.0
         mlflow.log_metrics(run, metrics)
@@ -55,12 +56,16 @@ def run_on_cluster(cfg: Config, data_dir: str) -> dict[str, Any]:
 
 
 def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
-    """Recovery events as an MLflow table, plus their totals and the job's goodput as metrics."""
+    """Recovery events as an MLflow table; their totals, the job's goodput, its badput by category (fraction
+    of the wall time) and the costs the planner reads (`python -m pipelines plan --run-id`) as metrics."""
     recoveries = read_events(cfg.run_dir, "recovery")
     totals = {"step": result["steps"], "faults_injected": len(read_events(cfg.run_dir, "fault")),
               **result["recovery_totals"]}
     if result.get("goodput") is not None:
         totals["goodput"] = result["goodput"]
+        wall = result["job_wall_seconds"]
+        totals.update({f"badput_{name}": seconds / wall for name, seconds in result["badput_seconds"].items()})
+    totals.update({f"cost_{name}": value for name, value in measured_costs(cfg.run_dir).items()})
     mlflow.log_metrics(run, [totals])
     if recoveries:
         columns = sorted({key for r in recoveries for key in r})

@@ -82,6 +82,7 @@ class CheckpointManager:
         self._fence = fence
         self._backend = make_backend(cfg, device) if cfg.enabled else None
         self._last_saved_step: int | None = None
+        self._interval_steps: int | None = None  # the planner's choice when checkpoint.interval_steps is auto
         self._in_flight: _InFlight | None = None
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._commit_future: Future | None = None
@@ -90,6 +91,11 @@ class CheckpointManager:
         self._upload_futures: list[Future] = []
         self._uploading: set[Path] = set()  # kept by retention until sent
         self._commit_count = 0
+        # Everything the loop waited for in this manager since the last FSx save began (memory copies, polls
+        # that finished a write or waited for a commit): charged to the next save's `checkpoint_stall`.
+        self._loop_wait_since_save = 0.0
+        self._memory_seconds_since_save = 0.0
+        self._memory_copies_since_save = 0
         if rank == 0 and cfg.enabled:
             self._remove_stale()
             if self._s3 is not None:
@@ -112,26 +118,45 @@ class CheckpointManager:
         when the interval (or last) says so. True when a save to FSx was started."""
         if not self.enabled:
             return False
+        entered = time.perf_counter()
         state = None
         if self._memory is not None and self._memory.due(step):
             state = state_fn()
             self._memory.save(step, state)
+            self._memory_seconds_since_save += time.perf_counter() - entered
+            self._memory_copies_since_save += 1
         self._poll()
-        if (last or step % self._cfg.interval_steps == 0) and self._last_saved_step != step:
-            self._save_to_disk(step, state if state is not None else state_fn())
-            return True
-        return False
+        saving = (last or step % self.interval_steps == 0) and self._last_saved_step != step
+        if saving:
+            self._save_to_disk(step, state if state is not None else state_fn(), entered)
+        else:
+            self._loop_wait_since_save += time.perf_counter() - entered
+        return saving
 
-    def _save_to_disk(self, step: int, state: dict[str, Any]) -> None:
+    @property
+    def interval_steps(self) -> int:
+        """FSx save cadence in steps: checkpoint.interval_steps, or the planner's choice when that is auto."""
+        return self._interval_steps if self._interval_steps is not None else self._cfg.interval_steps
+
+    @interval_steps.setter
+    def interval_steps(self, steps: int) -> None:
+        assert steps >= 1, steps
+        self._interval_steps = steps
+
+    def _save_to_disk(self, step: int, state: dict[str, Any], entered: float) -> None:
         # At most one save in flight, its commit included: a crash during this save then costs this save only.
+        waited_from = time.perf_counter()
         self.wait()
+        previous_save_seconds = time.perf_counter() - waited_from
         staging = self._directory / (step_dir_name(step) + ".tmp")
         if self._rank == 0:
             if staging.exists():  # left by a crash mid-save: never committed, safe to drop
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
+        barrier_from = time.perf_counter()
         dist.barrier()
         started = time.perf_counter()
+        barrier_seconds = started - barrier_from
         write = self._backend.start(state, staging)
         blocking = time.perf_counter() - started
         self._save_point("shard_write", step)  # async: the shards are being written right now
@@ -139,6 +164,15 @@ class CheckpointManager:
         self._last_saved_step = step
         if self._cfg.mode == "sync":
             self._finish_in_flight()
+        # The stall a save costs the loop is all of this, not the hand-off alone: waiting for the previous save
+        # and its commit, the barrier, the hand-off (sync: the whole write), and the waits since the last save.
+        loop_wait = self._loop_wait_since_save + time.perf_counter() - entered
+        self._events.write("checkpoint_stall", step=step, mode=self._backend.name, loop_wait_seconds=loop_wait,
+                          handoff_seconds=blocking, previous_save_seconds=previous_save_seconds,
+                          barrier_seconds=barrier_seconds, memory_seconds=self._memory_seconds_since_save,
+                          memory_copies=self._memory_copies_since_save)
+        self._loop_wait_since_save = self._memory_seconds_since_save = 0.0
+        self._memory_copies_since_save = 0
 
     def _poll(self) -> None:
         if self._in_flight is not None and self._in_flight.write.done():
