@@ -7,6 +7,7 @@
     python -m pipelines compile --config local -o pipeline.yaml     # KFP IR YAML
     python -m pipelines mlflow-sync work/fsx/runs/RUN_ID             # deliver records spooled in an outage
     python -m pipelines compare --last 5 --format markdown          # runs side by side, from MLflow
+    python -m pipelines plan --nodes 8 --step-seconds 4 --checkpoint-stall-seconds 0.5   # checkpoint intervals
     python -m pipelines submit --config my-eks.yaml --idempotency-key KEY [--dry-run]    # a run on KFP
     python -m pipelines schedule --config my-eks.yaml --name nightly --cron "0 0 2 * * *" [--dry-run]
 
@@ -34,8 +35,12 @@ from pipelines.compare import compare_runs, comparison_plot, render
 from pipelines.console import print_summary
 from pipelines.local_run import STAGE_ERRORS, run_locally, stage_locally
 from pipelines.pipeline import build_pipeline
+from pipelines.plan import add_arguments as add_plan_arguments
+from pipelines.plan import __doc__ as plan_doc
+from pipelines.plan import plan_command
 from trainer import logs
 from trainer.config import Config, ConfigError, load_config
+from trainer.planning.model import PlanError
 from trainer.run_dir import RunDir
 
 
@@ -146,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--filter", default="", help="an extra MLflow search filter, e.g. \"tags.trigger = 'ci'\"")
     compare.add_argument("--format", default="table", choices=["table", "csv", "json", "markdown"])
     compare.add_argument("--plot", type=Path, help="also write a comparison plot (PNG) here")
+    plan = commands.add_parser("plan", help="checkpoint interval per tier and goodput per recovery configuration",
+                               description=plan_doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_arguments(plan)
+    add_plan_arguments(plan)
     for name, help_text in (("submit", "submit one run to a KFP backend (idempotent)"),
                             ("schedule", "create, replace or disable a recurring run on a KFP backend")):
         sub = commands.add_parser(name, help=help_text)
@@ -196,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             comparison_plot(rows, args.plot)
             print(args.plot, file=sys.stderr)
+        return 0
+
+    if args.command == "plan":
+        try:
+            print(plan_command(args, cfg.tracking_uri))
+        except PlanError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         return 0
 
     if args.command in ("submit", "schedule"):

@@ -38,6 +38,7 @@ from trainer.events import EventLog
 from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
 from trainer.model import build_model_on_meta, copy_initial_weights, load_or_build_model, materialize_on, shard_model
 from trainer.optimizer import build_optimizer, initialize_state
+from trainer.planning.auto import AutoInterval
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.run_dir import RunDir, write_json
@@ -118,6 +119,9 @@ class Trainer:
             memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
             save_point=self.resilience.injector.at_save_point, fence=self.fence,
         )
+        nodes = self.world_size if ckpt.memory_node_per_rank else max(
+            1, self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
+        self.interval_planner = AutoInterval(cfg, self.checkpointer, self.events, rank=self.rank, nodes=nodes)
         timer.done("checkpointing")
         self.resilience.start(init_seconds={"imports": timer.started - self.resilience.process_started_at,
                                             **timer.phases})
@@ -277,6 +281,7 @@ class Trainer:
                     log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
                              metrics["tokens_per_second"])
+                self.interval_planner.before_save(self.step, metrics["step_seconds"])
                 save_started = time.perf_counter()
                 saved = self.checkpointer.save(self.step, self.state_dict, last=not self.should_continue_training())
                 self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)

@@ -64,8 +64,9 @@ class TorchAsyncBackend:
 
     name = "torch-async"
 
-    def __init__(self, device: torch.device, nice: int):
+    def __init__(self, device: torch.device, nice: int, executor: str = "process"):
         self.nice = nice
+        self.executor = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
         self._reniced: set[int] = set()
         # Its own group with a long timeout: background writes may take minutes, and the main group's
         # timeout can be short (in-process restart on gloo).
@@ -73,7 +74,7 @@ class TorchAsyncBackend:
         on_cuda = device.type == "cuda"
         # Shared memory: the background process reads the staged tensors in place instead of receiving
         # pickled copies. The stager caches these buffers, so later saves copy into warm memory.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=True,
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=executor == "process",
                                                    use_async_staging=False, use_non_blocking_copy=False))
 
     def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
@@ -81,7 +82,7 @@ class TorchAsyncBackend:
         # skips re-planning (a round of collectives) after the first save.
         response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
                                   planner=DefaultSavePlanner(enable_plan_caching=True),
-                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+                                  async_checkpointer_type=self.executor, async_stager=self.stager)
         # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
         return _FutureWrite(getattr(response, "upload_completion", response), on_poll=self._renice_writer)
 
@@ -145,4 +146,4 @@ def make_backend(cfg: CheckpointConfig, device: torch.device):
             raise ValueError("checkpoint.async_backend: nvrx needs CUDA (TorchAsyncCheckpoint and its writer "
                              "synchronize the GPU); use torch or auto on CPU")
         return NvrxAsyncBackend()
-    return TorchAsyncBackend(device, cfg.background_nice)
+    return TorchAsyncBackend(device, cfg.background_nice, cfg.async_executor)

@@ -83,6 +83,8 @@ class CheckpointManager:
         self._backend = make_backend(cfg, device) if cfg.enabled else None
         self._last_saved_step: int | None = None
         self._interval_steps: int | None = None  # the planner's choice when checkpoint.interval_steps is auto
+        self.saves_started = 0  # FSx saves started by this process
+        self.save_costs: dict[int, dict[str, float]] = {}  # step -> stall (less the previous save), background
         self._in_flight: _InFlight | None = None
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._commit_future: Future | None = None
@@ -136,7 +138,9 @@ class CheckpointManager:
     @property
     def interval_steps(self) -> int:
         """FSx save cadence in steps: checkpoint.interval_steps, or the planner's choice when that is auto."""
-        return self._interval_steps if self._interval_steps is not None else self._cfg.interval_steps
+        if self._interval_steps is not None:
+            return self._interval_steps
+        return self._cfg.auto_probe_steps if self._cfg.interval_steps == "auto" else self._cfg.interval_steps
 
     @interval_steps.setter
     def interval_steps(self, steps: int) -> None:
@@ -171,8 +175,11 @@ class CheckpointManager:
                           handoff_seconds=blocking, previous_save_seconds=previous_save_seconds,
                           barrier_seconds=barrier_seconds, memory_seconds=self._memory_seconds_since_save,
                           memory_copies=self._memory_copies_since_save)
+        # The FSx tier's own cost: less the node-memory copies and any wait for the previous save to end.
+        self.save_costs.setdefault(step, {})["stall"] = loop_wait - previous_save_seconds - self._memory_seconds_since_save
         self._loop_wait_since_save = self._memory_seconds_since_save = 0.0
         self._memory_copies_since_save = 0
+        self.saves_started += 1
 
     def _poll(self) -> None:
         if self._in_flight is not None and self._in_flight.write.done():
@@ -186,6 +193,7 @@ class CheckpointManager:
         write_seconds = time.perf_counter() - flight.started
         self._events.write("checkpoint_written", step=flight.step, mode=self._backend.name,
                           blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds)
+        self.save_costs.setdefault(flight.step, {})["background"] = write_seconds - flight.blocking_seconds
         if self._rank != 0:
             return
         # Rank 0's write completes only after DCP gathered every rank's results and wrote .metadata,
@@ -220,6 +228,7 @@ class CheckpointManager:
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         commit_seconds = time.perf_counter() - started
+        self.save_costs.setdefault(flight.step, {})["commit"] = commit_seconds
         size = sum(f["bytes"] for f in manifest["files"].values())
         total = write_seconds + commit_seconds
         self._events.write("checkpoint_committed", step=flight.step, mode=self._backend.name, path=str(final),

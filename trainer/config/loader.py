@@ -32,7 +32,14 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             raise ConfigError(f"{name}: {value!r} is not one of {list(choices)}")
         return value
     if origin in (typing.Union, types.UnionType):
-        raise AssertionError(f"unsupported annotation for {name}")
+        # e.g. int | Literal["auto"]: the first member that takes the value; the error lists them all.
+        problems = []
+        for member in typing.get_args(annotation):
+            try:
+                return _coerce(name, member, value)
+            except ConfigError as err:
+                problems.append(str(err).removeprefix(f"{name}: "))
+        raise ConfigError(f"{name}: {' or '.join(problems)}")
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -191,7 +191,7 @@ def expected_loss(tier: Tier, interval: float) -> float:
     return interval / 2 + min(tier.background, interval)
 
 
-def _tier_rates(costs: Costs, config: Configuration) -> dict[str, float]:
+def tier_rates(costs: Costs, config: Configuration) -> dict[str, float]:
     """Faults per second that reload from each saved tier (peer copies count for the memory tier's cadence)."""
     rate = 1 / costs.job_mtbf_seconds
     rates = {t: 0.0 for t in config.tiers}
@@ -242,7 +242,7 @@ def _longest(costs: Costs) -> float:
 
 def evaluate(costs: Costs, config: Configuration) -> dict:
     """A configuration at its best intervals: intervals per tier, expected goodput and its badput split."""
-    rates = _tier_rates(costs, config)
+    rates = tier_rates(costs, config)
     chosen = {}
     for name in config.tiers:
         choice = best_interval(costs.tier(name), rates[name], _longest(costs))

@@ -1,0 +1,189 @@
+"""`python -m pipelines plan`: how often to checkpoint to each tier, and what each recovery configuration
+keeps, from a run's measured costs or from flags (trainer.planning).
+
+    python -m pipelines plan --nodes 8 --node-mtbf-hours 6335 --step-seconds 4.2 --checkpoint-stall-seconds 0.4 \\
+        --checkpoint-background-seconds 25 --restart-seconds 17
+    python -m pipelines plan --run-id 3f2a...  --nodes 1024                 # costs measured by a finished run
+    python -m pipelines plan ... --format json                              # {interval_seconds, interval_steps, configurations}
+    python -m pipelines plan ... --plot build/goodput-vs-nodes.png --simulate 10
+
+A flag overrides what the run measured; what neither gives takes the default of trainer.planning.model.Costs
+(step time and checkpoint stall have none: give them or a run). Exit 2 with the field named for a bad value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from trainer.planning.model import CONFIGURATIONS, Costs, PlanError, Plan, make_plan
+from trainer.planning.simulate import FailureModel, simulate_many
+
+# Llama 3 (Dubey et al. 2024): 419 unexpected interruptions in 54 days on 2,048 nodes of 8 GPUs.
+LLAMA3_NODE_MTBF_HOURS = round(2048 * 54 * 24 / 419)
+REQUIRED = ("step_seconds", "checkpoint_stall_seconds")
+PLOT_NODES = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(Costs):
+        if f.name == "fault_mix":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, dest=f.name, type=int if f.name == "nodes" else float, default=None,
+                            help=f"Costs.{f.name}" + (f" (default {f.default})" if f.default is not dataclasses.MISSING
+                                                      else ""))
+    parser.add_argument("--fault-mix", help="share of faults per class, e.g. exception=0.15,process=0.4,node=0.4,rack=0.05")
+    parser.add_argument("--run-id", help="read the costs a finished MLflow train run measured (its cost_* metrics)")
+    parser.add_argument("--tracking-uri", help="MLflow tracking URI for --run-id (default: the config's)")
+    parser.add_argument("--configurations", help="comma-separated configurations to evaluate (default: all)")
+    parser.add_argument("--format", default="text", choices=["text", "markdown", "json"])
+    parser.add_argument("--plot", type=Path, help="write goodput against cluster size (PNG) here")
+    parser.add_argument("--simulate", type=int, default=0, metavar="JOBS",
+                        help="also simulate JOBS seeded jobs per configuration and report their mean goodput")
+    parser.add_argument("--work-days", type=float, default=30.0, help="work per simulated job (default 30 days)")
+    parser.add_argument("--distribution", default="exponential", choices=["exponential", "weibull"])
+    parser.add_argument("--weibull-shape", type=float, default=0.7)
+    parser.add_argument("--rack-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_fault_mix(text: str) -> dict[str, float]:
+    mix = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        try:
+            mix[name.strip()] = float(value)
+        except ValueError:
+            raise PlanError(f"fault_mix (--fault-mix): {part!r} is not class=share") from None
+    return mix
+
+
+def costs_from_run(tracking_uri: str, run_id: str) -> dict[str, float]:
+    """The cost_* metrics a train run logged (components.train.step.log_recovery), as Costs fields."""
+    from mlflow.exceptions import MlflowException  # mlflow: 1.4 s to import, and only --run-id needs it
+    from mlflow.tracking import MlflowClient
+
+    try:
+        run = MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+    except MlflowException as err:
+        raise PlanError(f"run_id (--run-id): no MLflow run {run_id!r} at {tracking_uri}: {err.message}") from None
+    found = {k.removeprefix("cost_"): v for k, v in run.data.metrics.items() if k.startswith("cost_")}
+    if not found:
+        raise PlanError(f"run_id (--run-id): run {run_id} has no cost_* metrics: pass the train step's run "
+                        "(pipeline_step=train) of a run made by this version")
+    return found
+
+
+def build_costs(args: argparse.Namespace, measured: dict[str, float]) -> Costs:
+    names = {f.name for f in dataclasses.fields(Costs)} - {"fault_mix"}
+    values = {k: v for k, v in measured.items() if k in names}
+    values.setdefault("nodes", 8)
+    values.setdefault("node_mtbf_hours", LLAMA3_NODE_MTBF_HOURS)
+    values.update({k: getattr(args, k) for k in names if getattr(args, k) is not None})
+    if isinstance(values.get("nodes"), float) and values["nodes"].is_integer():
+        values["nodes"] = int(values["nodes"])
+    missing = [k for k in REQUIRED if k not in values]
+    if missing:
+        raise PlanError("; ".join(f"{k} (--{k.replace('_', '-')}): not measured by a run (--run-id) and not given"
+                                  for k in missing))
+    if args.fault_mix:
+        values["fault_mix"] = parse_fault_mix(args.fault_mix)
+    return Costs(**values)
+
+
+def _simulated(plan: Plan, args: argparse.Namespace) -> dict[str, dict]:
+    failures = FailureModel(args.distribution, args.weibull_shape, args.rack_size)
+    by_name = {c.name: c for c in CONFIGURATIONS}
+    out = {}
+    for config in plan.configurations:
+        intervals = {t: c["interval_seconds"] for t, c in config["tiers"].items()}
+        out[config["name"]] = simulate_many(plan.costs, by_name[config["name"]], intervals, args.work_days * 86400,
+                                            seeds=args.simulate, seed=args.seed, failures=failures)
+    return out
+
+
+def goodput_by_cluster_size(costs: Costs, nodes: list[int], names: list[str] | None = None) -> dict[str, list[float]]:
+    """Expected goodput of each configuration at each cluster size (intervals re-chosen for each)."""
+    curves: dict[str, list[float]] = {}
+    for n in nodes:
+        for config in make_plan(dataclasses.replace(costs, nodes=n), names).configurations:
+            curves.setdefault(config["name"], []).append(config["goodput"])
+    return curves
+
+
+def plot_goodput(costs: Costs, path: Path, names: list[str] | None = None) -> Path:
+    import matplotlib  # plotting only when asked for
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
+    for name, values in goodput_by_cluster_size(costs, PLOT_NODES, names).items():
+        axes.plot(PLOT_NODES, [100 * v for v in values], marker="o", label=name)
+    axes.set(xscale="log", xlabel="nodes", ylabel="expected goodput (%)",
+             title=f"node MTBF {costs.node_mtbf_hours:.0f} h, step {costs.step_seconds:.2f} s")
+    axes.set_xticks(PLOT_NODES, [str(n) for n in PLOT_NODES], rotation=45)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def _interval(config: dict[str, Any], tier: str) -> str:
+    found = config["tiers"].get(tier)
+    if found is None:
+        return "—"
+    return f"{found['interval_steps']} steps ({found['interval_seconds']:.0f} s)"
+
+
+def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None) -> str:
+    payload = plan.to_json()
+    if simulated:
+        for config in payload["configurations"]:
+            config["simulated"] = simulated[config["name"]]
+    if fmt == "json":
+        return json.dumps(payload, indent=2, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
+    c = plan.costs
+    lines = [f"{c.nodes} nodes, node MTBF {c.node_mtbf_hours:.0f} h -> a fault every {c.job_mtbf_seconds / 3600:.2f} h; "
+             f"step {c.step_seconds:.3g} s; FSx save: stall {c.checkpoint_stall_seconds:.3g} s, background "
+             f"{c.checkpoint_background_seconds:.3g} s",
+             f"recommended: {plan.recommended['name']}, FSx every {plan.interval_steps} steps "
+             f"({plan.interval_seconds:.0f} s)", ""]
+    header = ["configuration", "expected goodput", *(["simulated"] if simulated else []), "FSx interval",
+              "memory interval", "save", "load", "restart", "lost work"]
+    rows = []
+    for config in payload["configurations"]:
+        fsx = "fsx" if "fsx" in config["tiers"] else "fsx_sync"
+        b = config["badput"]
+        rows.append([config["name"], f"{config['goodput']:.2%}",
+                     *([f"{simulated[config['name']]['goodput']:.2%}"] if simulated else []),
+                     _interval(config, fsx), _interval(config, "memory"), f"{b['checkpoint_save']:.2%}",
+                     f"{b['checkpoint_load']:.2%}", f"{b['infrastructure_recovery']:.2%}", f"{b['wasted_progress']:.2%}"])
+    if fmt == "markdown":
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+    else:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+        lines += ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def plan_command(args: argparse.Namespace, tracking_uri: str) -> str:
+    """The plan as text/markdown/JSON; raises PlanError naming the field for a bad input."""
+    measured = costs_from_run(args.tracking_uri or tracking_uri, args.run_id) if args.run_id else {}
+    costs = build_costs(args, measured)
+    names = [n.strip() for n in args.configurations.split(",")] if args.configurations else None
+    plan = make_plan(costs, names)
+    simulated = _simulated(plan, args) if args.simulate > 0 else None
+    if args.plot:
+        plot_goodput(costs, args.plot, names)
+    return render_plan(plan, args.format, simulated)

@@ -1,0 +1,185 @@
+"""The checkpoint-interval planner (trainer.planning.model), its simulator (trainer.planning.simulate) and
+`python -m pipelines plan`.
+
+The closed form is checked against the simulator where the closed form is exact: Daly (2006), "A higher order
+estimate of the optimum checkpoint interval for restart dumps", Future Generation Computer Systems 22(3), eq. 8
+(expected wall time of a job under exponential failures, failures during restarts and saves included) — one
+fault class, one synchronous tier. Elsewhere the planner is first order in (fault rate × cost), like Young's
+1974 derivation, so the two must agree within a fraction of a point at realistic rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from pipelines.cli import main
+from trainer.planning.model import (CONFIGURATIONS, Configuration, Costs, PlanError, best_interval, daly_goodput,
+                                    daly_interval, evaluate, expected_goodput, make_plan, young_interval)
+from trainer.planning.simulate import FailureModel, simulate, simulate_many
+
+BY_NAME = {c.name: c for c in CONFIGURATIONS}
+ONE_TIER = Configuration("one", "every fault relaunches from a synchronous FSx save",
+                         {c: ("job_relaunch", "fsx_sync") for c in ("exception", "process", "node", "rack")})
+SEED_SETTING = dict(step_seconds=4.0, checkpoint_stall_seconds=0.5, checkpoint_background_seconds=20.0,
+                    fsx_reload_seconds=30.0, memory_stall_seconds=0.2)
+
+
+def _intervals(config: dict) -> dict[str, float]:
+    return {tier: chosen["interval_seconds"] for tier, chosen in config["tiers"].items()}
+
+
+def test_simulation_agrees_with_dalys_exact_goodput():
+    costs = Costs(nodes=100, node_mtbf_hours=100, step_seconds=1.0, checkpoint_stall_seconds=30.0,
+                  sync_stall_seconds=30.0, fsx_reload_seconds=60.0, job_restart_seconds=240.0,
+                  fault_mix={"process": 1.0})
+    mtbf = costs.job_mtbf_seconds  # one hour: a fault every ~8 segments, far from the first-order regime
+    tau = daly_interval(30.0, mtbf)
+    exact = daly_goodput(tau, 30.0, 300.0, mtbf)
+    simulated = simulate_many(costs, ONE_TIER, {"fsx_sync": tau}, 200 * 86400, seeds=20)
+    assert abs(simulated["goodput"] - exact) < max(0.004, 4 * simulated["standard_error"])
+    # The first-order planner is close even here (within a point), and Daly's interval beats its neighbours.
+    assert abs(expected_goodput(costs, ONE_TIER, {"fsx_sync": tau})["goodput"] - exact) < 0.01
+    assert exact > daly_goodput(tau / 2, 30.0, 300.0, mtbf) and exact > daly_goodput(tau * 2, 30.0, 300.0, mtbf)
+
+
+@pytest.mark.parametrize("name", [c.name for c in CONFIGURATIONS])
+def test_planner_and_simulation_agree_for_every_configuration_at_1024_nodes(name):
+    costs = Costs(nodes=1024, node_mtbf_hours=5000, **SEED_SETTING)
+    planned = evaluate(costs, BY_NAME[name])
+    simulated = simulate_many(costs, BY_NAME[name], _intervals(planned), 20 * 86400, seeds=6)
+    assert abs(simulated["goodput"] - planned["goodput"]) < 0.005, (planned, simulated)
+
+
+def test_an_async_copy_is_usable_only_once_its_background_write_ends():
+    """A fault during the write reloads the copy before: both model and simulation lose τ/2 + b, not τ/2."""
+    costs = Costs(nodes=1024, node_mtbf_hours=2000, step_seconds=1.0, checkpoint_stall_seconds=0.2,
+                  checkpoint_background_seconds=120.0, fsx_reload_seconds=30.0, fault_mix={"process": 1.0})
+    config = BY_NAME["async+ft_launcher"]
+    planned = evaluate(costs, config)
+    simulated = simulate_many(costs, config, _intervals(planned), 20 * 86400, seeds=6)
+    assert abs(simulated["goodput"] - planned["goodput"]) < 0.004, (planned, simulated)
+    assert planned["badput"]["wasted_progress"] > 120.0 / costs.job_mtbf_seconds
+
+
+def test_more_layers_keep_more_goodput_and_async_beats_sync():
+    plan = make_plan(Costs(nodes=1024, node_mtbf_hours=5000, **SEED_SETTING))
+    goodput = {c["name"]: c["goodput"] for c in plan.configurations}
+    assert goodput["sync+relaunch"] < goodput["async+relaunch"] < goodput["async+ft_launcher"]
+    assert goodput["async+ft_launcher"] < goodput["async+ft_launcher+memory+peer"]
+    assert plan.recommended["name"] in ("async+ft_launcher+memory+peer", "in_process+ft_launcher+memory+peer")
+    # A bigger cluster fails more often: shorter intervals, lower goodput.
+    small = make_plan(Costs(nodes=8, node_mtbf_hours=5000, **SEED_SETTING))
+    assert small.interval_seconds > plan.interval_seconds and small.recommended["goodput"] > plan.recommended["goodput"]
+
+
+def test_young_and_daly_intervals():
+    assert young_interval(10.0, 20000.0) == pytest.approx(math.sqrt(2 * 10 * 20000))
+    # Daly's correction is small when the save is short against the MTBF, and M itself when the save is long.
+    assert daly_interval(10.0, 20000.0) == pytest.approx(young_interval(10.0, 20000.0) - 10, rel=0.02)
+    assert daly_interval(50000.0, 20000.0) == 20000.0
+
+
+def test_a_background_write_longer_than_the_interval_is_paid_as_stall():
+    costs = Costs(nodes=1024, node_mtbf_hours=500, step_seconds=1.0, checkpoint_stall_seconds=0.1,
+                  checkpoint_background_seconds=300.0, fault_mix={"process": 1.0})
+    tier = costs.tier("fsx")
+    rate = 1 / costs.job_mtbf_seconds
+    # Young on the stall alone says ~72 s; saving that often would wait ~228 s per save for the previous write.
+    assert young_interval(0.1, 1 / rate) < 100
+    chosen = best_interval(tier, rate, 86400.0)["interval_seconds"]
+    assert chosen >= 300.0
+    config = BY_NAME["async+relaunch"]
+    at_young = expected_goodput(costs, config, {"fsx": young_interval(0.1, 1 / rate)})
+    assert expected_goodput(costs, config, {"fsx": chosen})["goodput"] > at_young["goodput"]
+    # The simulator sees the same wait.
+    waited = simulate(costs, config, {"fsx": 72.0}, 86400.0, seed=3)
+    assert waited["badput"]["checkpoint_save"] > 0.5
+
+
+def test_simulation_is_seeded_and_deterministic():
+    costs = Costs(nodes=256, node_mtbf_hours=2000, **SEED_SETTING)
+    config = BY_NAME["in_process+ft_launcher+memory+peer"]
+    intervals = _intervals(evaluate(costs, config))
+    for failures in (FailureModel(), FailureModel("weibull", weibull_shape=0.6, rack_size=4)):
+        first = simulate(costs, config, intervals, 5 * 86400, seed=11, failures=failures)
+        assert first == simulate(costs, config, intervals, 5 * 86400, seed=11, failures=failures)
+        assert first != simulate(costs, config, intervals, 5 * 86400, seed=12, failures=failures)
+        assert sum(first["badput"].values()) + first["goodput"] == pytest.approx(1.0)
+
+
+def test_rack_faults_take_the_peer_replica_with_them():
+    costs = Costs(nodes=64, node_mtbf_hours=200, **{**SEED_SETTING, "fault_mix": {"rack": 1.0}})
+    config = BY_NAME["async+ft_launcher+memory+peer"]
+    result = simulate(costs, config, {"memory": 4.0, "fsx": 400.0}, 5 * 86400, seed=1)
+    assert result["faults"]["rack"] > 10 and set(result["recoveries"]) == {"job_relaunch"}
+    node_only = simulate(dataclasses.replace(costs, fault_mix={"node": 1.0}), config,
+                         {"memory": 4.0, "fsx": 400.0}, 5 * 86400, seed=1)
+    assert set(node_only["recoveries"]) == {"replacement"} and node_only["goodput"] > result["goodput"]
+
+
+def test_a_trace_replays_faults_at_given_steps_once_each():
+    costs = Costs(nodes=2, node_mtbf_hours=1.0, step_seconds=1.0, checkpoint_stall_seconds=0.0,
+                  sync_stall_seconds=0.5, fsx_reload_seconds=1.0, job_restart_seconds=10.0)
+    result = simulate(costs, ONE_TIER, {"fsx_sync": 5.0}, 40.0, trace=[(12, "process"), (31, "exception")])
+    assert result["faults"] == {"exception": 1, "process": 1, "node": 0, "rack": 0}
+    # 40 steps + 8 saves of 0.5 s + 2 relaunches (10 s + 1 s reload) + the replayed steps (12-10, 31-30).
+    assert result["wall_seconds"] == pytest.approx(40 + 8 * 0.5 + 2 * 11 + 2 + 1)
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(nodes=0), "nodes (--nodes)"),
+    (dict(node_mtbf_hours=-1.0), "node_mtbf_hours (--node-mtbf-hours)"),
+    (dict(step_seconds=float("nan")), "step_seconds (--step-seconds)"),
+    (dict(checkpoint_stall_seconds=-0.5), "checkpoint_stall_seconds (--checkpoint-stall-seconds)"),
+    (dict(fault_mix={"process": 0.5}), "fault_mix (--fault-mix): shares must sum to 1"),
+    (dict(fault_mix={"cosmic": 1.0}), "fault_mix (--fault-mix): unknown classes"),
+])
+def test_bad_costs_are_rejected_with_the_field_named(bad, field):
+    values = dict(nodes=8, node_mtbf_hours=1000.0, **SEED_SETTING)
+    with pytest.raises(PlanError, match=field.replace("(", r"\(").replace(")", r"\)")):
+        Costs(**{**values, **bad})
+
+
+def test_bad_simulation_settings_are_rejected_with_the_field_named():
+    costs = Costs(nodes=8, node_mtbf_hours=1000.0, **SEED_SETTING)
+    with pytest.raises(PlanError, match=r"weibull_shape \(--weibull-shape\)"):
+        FailureModel("weibull", weibull_shape=0.0)
+    with pytest.raises(PlanError, match=r"distribution \(--distribution\)"):
+        FailureModel("gamma")
+    with pytest.raises(PlanError, match=r"intervals\['fsx'\]"):
+        simulate(costs, BY_NAME["async+relaunch"], {}, 1000.0)
+    with pytest.raises(PlanError, match="work_seconds"):
+        simulate(costs, BY_NAME["async+relaunch"], {"fsx": 10.0}, -1.0)
+    with pytest.raises(PlanError, match=r"configurations \(--configurations\)"):
+        make_plan(costs, ["fastest"])
+
+
+FLAGS = ["plan", "--nodes", "8", "--node-mtbf-hours", "6335", "--step-seconds", "4.2", "--checkpoint-stall-seconds",
+         "0.4", "--checkpoint-background-seconds", "25", "--restart-seconds", "17"]
+
+
+def test_plan_command_prints_one_json_object(capsys, tmp_path):
+    assert main([*FLAGS, "--format", "json", "--plot", str(tmp_path / "goodput.png"), "--simulate", "2",
+                 "--work-days", "2"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["interval_steps"] == round(plan["interval_seconds"] / 4.2) and plan["interval_steps"] >= 1
+    assert {c["name"] for c in plan["configurations"]} == {c.name for c in CONFIGURATIONS}
+    assert all(0 < c["goodput"] <= 1 and 0 < c["simulated"]["goodput"] <= 1 for c in plan["configurations"])
+    assert plan["costs"]["restart_seconds"] == 17.0 and plan["costs"]["nodes"] == 8
+    assert (tmp_path / "goodput.png").stat().st_size > 10_000
+
+
+def test_plan_command_text_and_errors(capsys):
+    assert main([*FLAGS, "--configurations", "sync+relaunch,async+ft_launcher"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: async+ft_launcher" in out and "sync+relaunch" in out and "async+relaunch " not in out
+    assert main(["plan", "--nodes", "8", "--checkpoint-stall-seconds", "1"]) == 2
+    assert "step_seconds (--step-seconds): not measured by a run (--run-id) and not given" in capsys.readouterr().err
+    assert main([*FLAGS[:-2], "--restart-seconds", "-3"]) == 2
+    assert "restart_seconds (--restart-seconds): must be >= 0" in capsys.readouterr().err
+    assert main([*FLAGS, "--fault-mix", "exception=half"]) == 2
+    assert "fault_mix (--fault-mix): 'exception=half' is not class=share" in capsys.readouterr().err
