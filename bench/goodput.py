@@ -1,22 +1,27 @@
-"""Goodput under one seeded fault schedule, applied identically to every configuration, in one run.
+"""Goodput under one seeded fault schedule, applied identically to every configuration, in one run; and the
+simulator's prediction of each from the costs the runs measured (its calibration on this machine).
 
-    .venv/bin/python bench/goodput.py           # ~8 min on 2 CPU ranks
-    .venv/bin/python bench/goodput.py --steps 40 --mtbf 15   # quicker
+    .venv/bin/python bench/goodput.py                          # ~15 min on 2 CPU ranks
+    .venv/bin/python bench/goodput.py --steps 60 --mtbf 20     # quicker
 
-Configurations (same model, data, seed and fault schedule):
-- baseline: synchronous checkpoints, every fault relaunches the whole job;
-- ft_launcher: synchronous checkpoints, in-job restarts;
-- in_process+ft_launcher: in-process restart for exceptions, ft_launcher for process deaths;
-- resilient (in_process+ft_launcher+async): the same with asynchronous checkpoints.
+Configurations (same model, data, seed and fault schedule), named as the planner names them
+(trainer.planning.model.CONFIGURATIONS):
+- sync+relaunch: synchronous FSx saves, no node memory; every fault relaunches the whole job;
+- async+ft_launcher: asynchronous FSx saves, no node memory; in-job restarts (state from FSx);
+- async+ft_launcher+memory+peer: the same with the node-memory tier and its peer replica (state from memory);
+- in_process+ft_launcher+memory+peer: and exceptions recovered in-process.
 
-Definitions:
-- goodput = productive step time / wall time, where productive step time sums the step times of the
-  steps that were kept (a step replayed after a fault counts once, its last time) and the wall time runs
-  from the first step's start to the end of training (the one-time start-up before the first step, equal
-  for all configurations, is reported separately as startup_seconds);
-- job_goodput = the same over the job's whole wall time, start-up included;
-- lost_steps: steps computed and then lost to faults (recomputed after reloading);
-- checkpoint_overhead: the loop's checkpoint stalls (worst rank) over the wall time.
+Definitions (trainer.planning.measured):
+- goodput (the headline) = productive seconds / the job's whole wall time, from the launch to the end of the
+  last save (start-up and tail included); productive = the kept steps' compute (a step replayed after a fault
+  counts once) less their wait for data;
+- window_goodput: the same over the window from the first step's start to the last step's end;
+- badput by category (fractions of the job's wall time): checkpoint save, checkpoint load, wasted progress,
+  infrastructure recovery, start-up, data loading, other;
+- recoveries: one line per restart, with the fault that caused it (or why none did).
+Prediction: each configuration's measured costs (step time, the loop's wait per save, background time,
+restart and reload per mechanism, start-up) and the same faults at the same steps go to the simulator
+(trainer.planning.simulate, trace mode); calibration_gap_points = the largest |simulated − measured| goodput.
 Writes bench/results/goodput.json.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,36 +38,66 @@ from pathlib import Path
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train.local import run_local_training  # noqa: E402
-from components.train.report import checkpoint_metric_records, read_metrics  # noqa: E402
 from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.events import read_events  # noqa: E402
+from trainer.planning.measured import badput_breakdown, kept_metrics, measured_costs  # noqa: E402
+from trainer.planning.model import CONFIGURATIONS, Costs  # noqa: E402
+from trainer.planning.simulate import simulate  # noqa: E402
 from trainer.resilience.faults import random_schedule  # noqa: E402
 from trainer.run_dir import RunDir, read_jsonl  # noqa: E402
 
 log = logging.getLogger("bench.goodput")
 
+NO_MEMORY = ["--checkpoint.memory_interval_steps=0"]
+IN_JOB = ["--resilience.launcher=ft_launcher", "--resilience.max_restarts=10", "--resilience.job_restarts=0"]
 CONFIGS = {
-    "baseline": ["--checkpoint.mode=sync", "--resilience.launcher=ft_launcher", "--resilience.max_restarts=0",
-                 "--resilience.job_restarts=10"],
-    "ft_launcher": ["--checkpoint.mode=sync", "--resilience.launcher=ft_launcher", "--resilience.max_restarts=10",
-                    "--resilience.job_restarts=0"],
-    "in_process+ft_launcher": ["--checkpoint.mode=sync", "--resilience.in_process=true",
-                               "--resilience.in_process_max_restarts=10", "--resilience.max_restarts=10",
-                               "--resilience.job_restarts=0"],
-    "in_process+ft_launcher+async": ["--checkpoint.mode=async", "--resilience.in_process=true",
-                                     "--resilience.in_process_max_restarts=10", "--resilience.max_restarts=10",
-                                     "--resilience.job_restarts=0"],
+    "sync+relaunch": ["--checkpoint.mode=sync", *NO_MEMORY, "--resilience.launcher=ft_launcher",
+                      "--resilience.max_restarts=0", "--resilience.job_restarts=10"],
+    "async+ft_launcher": ["--checkpoint.mode=async", *NO_MEMORY, *IN_JOB],
+    "async+ft_launcher+memory+peer": ["--checkpoint.mode=async", *IN_JOB],
+    "in_process+ft_launcher+memory+peer": ["--checkpoint.mode=async", *IN_JOB, "--resilience.in_process=true",
+                                           "--resilience.in_process_max_restarts=10"],
 }
+FAULT_CLASS = {"exception": "exception", "sigkill": "process"}
+
+
+def explain_recoveries(run_dir: Path) -> list[str]:
+    """One line per restart: the fault it recovered from, how, from where, what it lost."""
+    lines = []
+    for r in read_events(run_dir, "recovery"):
+        cause = r["fault_key"] or "no injected fault (a restart the launcher made on its own: see train.log)"
+        lines.append(f"{cause} -> {r['mechanism']} #{r['restart_iteration']}, reloaded step {r['reloaded_step']} "
+                     f"from {r['reload_source']}, lost {r['lost_steps']} steps, {r['recovery_seconds'] or 0:.1f} s")
+    return lines
+
+
+def predict(name: str, run_dir: Path, trace: list[tuple[int, str]], steps: int, interval: int, wall: float) -> dict:
+    """The simulator fed with what this run measured and the same faults at the same steps."""
+    measured = measured_costs(run_dir)
+    productive = badput_breakdown(run_dir)["productive_seconds"]
+    costs = {k: v for k, v in measured.items() if k in Costs.__dataclass_fields__}
+    costs["step_seconds"] = productive / steps  # the mean kept step, so that the work is the measured work
+    costs.setdefault("checkpoint_stall_seconds", costs.get("sync_stall_seconds", 0.0))
+    config = next(c for c in CONFIGURATIONS if c.name == name)
+    routes = dict(config.routes)
+    step = costs["step_seconds"]
+    intervals = {"fsx": interval * step, "fsx_sync": interval * step, "memory": step}
+    result = simulate(Costs(nodes=2, node_mtbf_hours=1.0, **costs), config, intervals, steps * costs["step_seconds"],
+                      trace=trace, final_save=True)
+    return {"goodput": result["goodput"], "wall_seconds": result["wall_seconds"], "costs": costs,
+            "routes": {k: list(v) for k, v in routes.items()}, "badput": result["badput"],
+            "gap_points": 100 * abs(result["goodput"] - productive / wall)}
+
 
 
 def main() -> int:
     logs.configure()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--mtbf", type=float, default=25.0, help="mean steps between faults")
-    parser.add_argument("--interval", type=int, default=5, help="checkpoint every N steps")
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--mtbf", type=float, default=40.0, help="mean steps between faults")
+    parser.add_argument("--interval", type=int, default=10, help="FSx checkpoint every N steps")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "goodput.json")
     args = parser.parse_args()
@@ -69,54 +105,62 @@ def main() -> int:
     # One schedule, written out explicitly, so every configuration sees exactly the same faults.
     faults = random_schedule(args.steps, args.mtbf, ["exception", "sigkill"], world_size=2, seed=args.seed)
     schedule = ", ".join(f.key for f in faults)
+    trace = [(f.step, FAULT_CLASS[f.type]) for f in faults]
     log.info("fault schedule: %s", schedule)
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     try:
         data = demo_token_dir(scratch)
-
         figures: dict[str, dict] = {}
         for name, flags in CONFIGS.items():
             cfg = load_config("local", [
                 f"--run.work_dir={scratch}", f"--run.run_id={name.replace('+', '-').replace('_', '-')}",
                 f"--model.preset={args.preset}", f"--training.num_steps={args.steps}", "--training.batch_size=8",
-                "--training.seq_len=128", "--training.warmup_steps=5", "--training.log_every=10",
+                "--training.seq_len=128", "--training.warmup_steps=5", "--training.log_every=20",
                 f"--checkpoint.interval_steps={args.interval}", "--checkpoint.keep_last=2",
-                f"--faults.schedule={schedule}", "--resilience.collective_timeout=3", *flags])
+                f"--checkpoint.memory_dir={scratch}/node-memory", f"--faults.schedule={schedule}",
+                "--resilience.collective_timeout=3", *flags])
             result = run_local_training(cfg, data)
-            metrics_path = RunDir(cfg.run_dir).metrics
-            kept, all_records = read_metrics(metrics_path), read_jsonl(metrics_path)  # replayed steps counted once
-            first_start = min(r["time"] - r["step_seconds"] for r in all_records)
-            wall = max(r["time"] for r in all_records) - first_start
-            productive = sum(r["step_seconds"] for r in kept)
-            stall = sum(r["checkpoint_blocking_seconds"] for r in checkpoint_metric_records(cfg.run_dir))
+            run_dir = cfg.run_dir
+            records, kept = read_jsonl(RunDir(run_dir).metrics), kept_metrics(RunDir(run_dir).metrics)
+            first_start = min(r["time"] - r["step_seconds"] for r in records)
+            window = max(r["time"] for r in records) - first_start
+            wall = result["job_wall_seconds"]
             figures[name] = {
-                "goodput": productive / wall,
-                "job_goodput": result["goodput"],
-                "lost_steps": len(all_records) - len(kept),
-                "faults": len(read_events(cfg.run_dir, "fault")),
+                "goodput": result["goodput"],
+                "window_goodput": result["productive_seconds"] / window,
+                "badput": {k: v / wall for k, v in result["badput_seconds"].items()},
+                "lost_steps": len(records) - len(kept),
+                "faults": len(read_events(run_dir, "fault")),
+                "recoveries": explain_recoveries(run_dir),
                 "recoveries_by_mechanism": {key.removeprefix("recoveries_"): count
                                             for key, count in result["recovery_totals"].items()
                                             if key.startswith("recoveries_")},
-                "checkpoint_overhead": stall / wall,
-                "wall_seconds": wall,
-                "startup_seconds": first_start - read_events(cfg.run_dir, "launch")[0]["process_started_at"],
-                "job_wall_seconds": result["job_wall_seconds"],
+                "job_wall_seconds": wall,
+                "window_seconds": window,
+                "median_step_seconds": statistics.median(r["step_seconds"] for r in kept),
                 "final_loss": result["final_loss"],
+                "predicted": predict(name, run_dir, trace, args.steps, args.interval, wall),
             }
-            log.info("%s: %s", name, figures[name])
+            log.info("%s: goodput %.1f%% (predicted %.1f%%)", name, 100 * figures[name]["goodput"],
+                     100 * figures[name]["predicted"]["goodput"])
 
         final_losses = {f["final_loss"] for f in figures.values()}
         output = {**figures, "schedule": schedule, "steps": args.steps, "preset": args.preset,
-                  "same_final_loss": len(final_losses) == 1,}
+                  "interval_steps": args.interval, "same_final_loss": len(final_losses) == 1,
+                  "calibration_gap_points": max(f["predicted"]["gap_points"] for f in figures.values())}
         write_results(args.output, output, "bench/goodput.py")
         print(f"\nfault schedule: {schedule}\n")
-        print("| configuration | goodput | job goodput | lost steps | faults | recoveries | checkpoint overhead "
-              "| wall |\n|---|---|---|---|---|---|---|---|")
+        print("| configuration | goodput (whole job) | predicted | window goodput | lost steps | faults | "
+              "recoveries |\n|---|---|---|---|---|---|---|")
         for name, f in figures.items():
-            print(f"| {name} | {f['goodput']:.1%} | {f['job_goodput']:.1%} | {f['lost_steps']} | {f['faults']} | "
-                  f"{f['recoveries_by_mechanism']} | {f['checkpoint_overhead']:.1%} | {f['wall_seconds']:.0f} s |")
-        print(f"\nsame final loss in every configuration: {output['same_final_loss']}")
+            print(f"| {name} | {f['goodput']:.1%} | {f['predicted']['goodput']:.1%} | {f['window_goodput']:.1%} | "
+                  f"{f['lost_steps']} | {f['faults']} | {f['recoveries_by_mechanism']} |")
+        for name, f in figures.items():
+            print(f"\n{name}: " + ", ".join(f"{k} {v:.1%}" for k, v in f["badput"].items()))
+            print("\n".join("  " + line for line in f["recoveries"]))
+        print(f"\ncalibration gap: {output['calibration_gap_points']:.1f} points; same final loss: "
+              f"{output['same_final_loss']}")
         print(args.output)
         return 0
     finally:

@@ -183,3 +183,24 @@ def test_plan_command_text_and_errors(capsys):
     assert "restart_seconds (--restart-seconds): must be >= 0" in capsys.readouterr().err
     assert main([*FLAGS, "--fault-mix", "exception=half"]) == 2
     assert "fault_mix (--fault-mix): 'exception=half' is not class=share" in capsys.readouterr().err
+
+
+def test_interval_steps_auto_in_the_config():
+    from trainer.config import ConfigError, load_config
+    from trainer.planning.auto import job_configuration
+
+    cfg = load_config("local")
+    assert cfg.checkpoint.interval_steps == "auto"  # the demo's choice
+    assert load_config("local", ["--checkpoint.interval_steps=25"]).checkpoint.interval_steps == 25
+    with pytest.raises(ConfigError, match="checkpoint.interval_steps: expected an integer, got 'often'"):
+        load_config("local", ["--checkpoint.interval_steps=often"])
+    with pytest.raises(ConfigError, match="checkpoint.interval_steps: must be >= 1 or auto"):
+        load_config("local", ["--checkpoint.interval_steps=0"])
+    with pytest.raises(ConfigError, match="checkpoint.auto_node_mtbf_hours: must be > 0"):
+        load_config("local", ["--checkpoint.auto_node_mtbf_hours=0"])
+    # The job's layers decide which faults the FSx interval has to cover.
+    assert job_configuration(cfg).routes == {"exception": ("ft_launcher", "memory"), "process": ("ft_launcher", "memory"),
+                                             "node": ("replacement", "peer"), "rack": ("job_relaunch", "fsx")}
+    plain = load_config("local", ["--checkpoint.memory_interval_steps=0", "--checkpoint.mode=sync",
+                                  "--resilience.max_restarts=0"])
+    assert set(job_configuration(plain).routes.values()) == {("job_relaunch", "fsx_sync")}

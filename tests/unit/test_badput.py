@@ -1,0 +1,77 @@
+"""Badput by category and the planner's measured costs, read from a run folder (trainer.planning.measured).
+
+Categories after Google's ml-goodput-measurement (github.com/AI-Hypercomputer/ml-goodput-measurement,
+`BadputType`: TPU initialization → start-up, data loading, program start-up, wasted progress from
+disruption, checkpoint save/load, other): they and the productive time add up to the job's wall time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.events import EventLog
+from trainer.planning.measured import badput_breakdown, measured_costs
+from trainer.run_dir import RunDir
+
+T0 = 1_000_000.0
+
+
+def _write_run(path, *, mode="async"):
+    """A 2-rank run of 10 steps of 1 s: start-up 5 s, saves at 4 and 8, a SIGKILL after step 6 recovered by
+    ft_launcher from step 4 (steps 5-6 replayed), a final save."""
+    run = RunDir(path)
+    ranks = [EventLog(path, 0), EventLog(path, 1)]
+    ranks[0].write("launch", process_started_at=T0)
+    records, now = [], T0 + 5.0
+    for step in [1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10]:
+        if step == 5 and any(r["step"] == 6 for r in records):
+            now += 2.0 + 1.5 + 0.5  # detect + re-init + reload
+        now += 1.0
+        records.append({"step": step, "time": now, "step_seconds": 1.0, "data_seconds": 0.1})
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    for rank, events in enumerate(ranks):
+        for step, wait in ((4, 0.3), (8, 0.5)):
+            events.write("checkpoint_stall", step=step, mode=mode, loop_wait_seconds=wait + 0.1 * rank,
+                         handoff_seconds=0.05, previous_save_seconds=0.0, barrier_seconds=0.0, memory_seconds=0.0,
+                         memory_copies=0)
+    for step in (4, 8):
+        ranks[0].write("checkpoint_committed", step=step, mode=mode, bytes=1, blocking_seconds=0.05,
+                       write_seconds=2.0, commit_seconds=0.1, background_seconds=2.05, mb_per_second=1.0, path="x")
+    ranks[0].write("recovery", fault_key="sigkill@6:rank=1", mechanism="ft_launcher", restart_iteration=1,
+                   reloaded_step=4, reload_source="disk", lost_steps=2, detect_and_teardown_seconds=2.0,
+                   reinit_seconds=1.5, reload_seconds=0.5, recovery_seconds=5.0)
+    run.result.write_text(json.dumps({"finished_at": now + 1.0, "final_checkpoint_wait_seconds": 0.4}))
+    return now + 1.0
+
+
+def test_badput_categories_add_up_to_the_wall_time(tmp_path):
+    finished = _write_run(tmp_path)
+    split = badput_breakdown(tmp_path)
+    seconds = split["badput_seconds"]
+    assert split["wall_seconds"] == pytest.approx(finished - T0)
+    assert split["productive_seconds"] == pytest.approx(10 * 0.9)
+    assert seconds["data_loading"] == pytest.approx(10 * 0.1)
+    assert seconds["wasted_progress"] == pytest.approx(2.0)  # steps 5 and 6, computed twice
+    assert seconds["infrastructure_recovery"] == pytest.approx(3.5)
+    assert seconds["checkpoint_load"] == pytest.approx(0.5)
+    assert seconds["checkpoint_save"] == pytest.approx(0.4 + 0.6 + 0.4)  # worst rank per save + the final wait
+    assert seconds["startup"] == pytest.approx(5.0)
+    assert split["productive_seconds"] + sum(seconds.values()) == pytest.approx(split["wall_seconds"])
+    assert split["goodput"] == pytest.approx(9.0 / (finished - T0))
+
+
+def test_measured_costs_are_what_the_planner_takes(tmp_path):
+    _write_run(tmp_path)
+    costs = measured_costs(tmp_path)
+    assert costs["step_seconds"] == 1.0
+    assert costs["checkpoint_stall_seconds"] == pytest.approx(0.6)  # the second save (the first starts the writer)
+    assert costs["checkpoint_background_seconds"] == pytest.approx(2.05)
+    assert costs["fsx_reload_seconds"] == 0.5 and costs["restart_seconds"] == 3.5
+    assert costs["startup_seconds"] == pytest.approx(5.0)
+    assert "memory_stall_seconds" not in costs and "job_restart_seconds" not in costs
+
+    sync_dir = tmp_path / "sync"
+    _write_run(sync_dir, mode="sync")
+    assert measured_costs(sync_dir)["sync_stall_seconds"] == pytest.approx(0.6)
