@@ -8,7 +8,7 @@ TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test compile golden clean
+.PHONY: install demo test compile golden bench bench-report clean
 
 # The constraints file pins torch to the CPU wheel (no multi-GB CUDA download).
 $(STAMP): pyproject.toml constraints.txt
@@ -40,6 +40,16 @@ compile: install  ## KFP IR YAML of the pipeline
 golden: install  ## regenerate the golden compiled pipelines the tests diff against
 	$(PY) -m pipelines compile --config local -o tests/golden/pipeline-local.yaml
 	$(PY) -m pipelines compile --config pipelines/configs/eks-prod.yaml -o tests/golden/pipeline-eks.yaml
+
+bench: install  ## every benchmark (~75 min on 2 cores), then the report bench/README.md
+	$(PY) bench/checkpoint.py
+	$(PY) bench/recovery.py
+	$(PY) bench/goodput.py
+	$(PY) bench/staging.py
+	$(PY) bench/report.py
+
+bench-report: install  ## bench/README.md from the results already in bench/results
+	$(PY) bench/report.py
 
 clean:
 	rm -rf work build .pytest_cache
