@@ -72,9 +72,11 @@ def explain_recoveries(run_dir: Path) -> list[str]:
     return lines
 
 
-def predict(name: str, run_dir: Path, trace: list[tuple[int, str]], steps: int, interval: int, wall: float) -> dict:
-    """The simulator fed with what this run measured and the same faults at the same steps."""
-    measured = measured_costs(run_dir)
+def predict(name: str, run_dir: Path, trace: list[tuple[int, str]], steps: int, interval: int, wall: float,
+            startup: float) -> dict:
+    """The simulator fed with what this run measured and the same faults at the same steps. `startup`: from the
+    job's start (the launcher, not the first worker) to the first step."""
+    measured = {**measured_costs(run_dir), "startup_seconds": startup}
     productive = badput_breakdown(run_dir)["productive_seconds"]
     costs = {k: v for k, v in measured.items() if k in Costs.__dataclass_fields__}
     costs["step_seconds"] = productive / steps  # the mean kept step, so that the work is the measured work
@@ -140,7 +142,8 @@ def main() -> int:
                 "window_seconds": window,
                 "median_step_seconds": statistics.median(r["step_seconds"] for r in kept),
                 "final_loss": result["final_loss"],
-                "predicted": predict(name, run_dir, trace, args.steps, args.interval, wall),
+                "predicted": predict(name, run_dir, trace, args.steps, args.interval, wall,
+                                     result["badput_seconds"]["startup"]),
             }
             log.info("%s: goodput %.1f%% (predicted %.1f%%)", name, 100 * figures[name]["goodput"],
                      100 * figures[name]["predicted"]["goodput"])

@@ -66,6 +66,10 @@ def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[s
         wall = result["job_wall_seconds"]
         totals.update({f"badput_{name}": seconds / wall for name, seconds in result["badput_seconds"].items()})
     totals.update({f"cost_{name}": value for name, value in measured_costs(cfg.run_dir).items()})
+    chosen = read_events(cfg.run_dir, "checkpoint_interval_chosen")  # checkpoint.interval_steps=auto
+    if chosen:
+        totals["checkpoint_interval_steps_chosen"] = chosen[-1]["interval_steps"]
+        mlflow.set_tags(run, {"checkpoint_interval_reason": chosen[-1]["reason"][:5000]})
     mlflow.log_metrics(run, [totals])
     if recoveries:
         columns = sorted({key for r in recoveries for key in r})

@@ -132,6 +132,33 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert evaluate.data.tags["promoted"] == "true" and parent.data.tags["promoted"] == "true"
     assert parent.data.tags["dataset_manifest_hash"] == by_step["stage"].data.tags["dataset_manifest_hash"]
     assert parent.data.metrics["recoveries"] == 1 and parent.data.metrics["goodput"] == pytest.approx(summary["goodput"])
+    # The job's wall time, accounted for: goodput + badput by category (other included) = 1.
+    badput = {k: v for k, v in train.data.metrics.items() if k.startswith("badput_")}
+    assert {"badput_checkpoint_save", "badput_wasted_progress", "badput_startup", "badput_other"} <= set(badput)
+    assert train.data.metrics["goodput"] + sum(badput.values()) == pytest.approx(1.0)
+    assert parent.data.metrics["badput_checkpoint_save"] == pytest.approx(badput["badput_checkpoint_save"])
+    # What the planner reads back from this run (python -m pipelines plan --run-id).
+    assert train.data.metrics["cost_step_seconds"] > 0 and train.data.metrics["cost_restart_seconds"] > 0
+
+
+def test_the_planner_reads_a_finished_runs_costs_from_mlflow(successful_run, work, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.cli import main
+
+    summary = json.loads((work / "fsx" / "runs" / "e2e" / "summary.json").read_text())
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    parent = client.get_run(summary["mlflow_parent_run_id"])
+    train = client.search_runs([parent.info.experiment_id], filter_string=(
+        f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.pipeline_step = 'train'"))[0]
+    assert main(["plan", "--tracking-uri", summary["mlflow_tracking_uri"], "--run-id", train.info.run_id,
+                 "--nodes", "2", "--node-mtbf-hours", "0.05", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["costs"]["step_seconds"] == pytest.approx(train.data.metrics["cost_step_seconds"])
+    assert plan["costs"]["restart_seconds"] == pytest.approx(train.data.metrics["cost_restart_seconds"])
+    assert plan["interval_steps"] >= 1 and all(0 < c["goodput"] <= 1 for c in plan["configurations"])
+    assert main(["plan", "--tracking-uri", summary["mlflow_tracking_uri"], "--run-id", parent.info.run_id]) == 2
+    assert "has no cost_* metrics" in capsys.readouterr().err
 
 
 def test_the_first_run_registers_the_champion_and_the_second_is_compared_with_it(second_run, work, mlflow_server):
