@@ -122,7 +122,7 @@ def main() -> int:
         last_cfg = None
         for sample in range(args.samples):
             for name, extra in options.items():
-                cfg = _config(scratch, f"{name}-{sample}", args, *extra)
+                cfg = _config(scratch, f"{name.replace('_', '-')}-{sample}", args, *extra)
                 started = time.perf_counter()
                 metrics, found = _plain(cfg, data, scratch) if name == "peer" else _ours(cfg, data)
                 rate, window = _throughput(metrics, window_start)
