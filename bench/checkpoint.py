@@ -137,7 +137,7 @@ def main() -> int:
 
         def steady(name: str, key: str) -> float:
             """Median over the saves inside the throughput window, every sample."""
-            return statistics.median(s[key] for run in saves[name] for s in run if s["step"] >= window_start - 1)
+            return statistics.median(s[key] for run in saves[name] for s in run if s["step"] >= window_start)
 
         committed = read_events(last_cfg.run_dir, "checkpoint_committed")
         probe_out = scratch / "probe.json"
