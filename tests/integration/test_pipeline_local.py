@@ -191,6 +191,9 @@ def test_compare_lists_the_runs_side_by_side(second_run, work, mlflow_server):
     assert rows["e2e"]["recoveries"] == 1 and rows["e2e-2"]["recoveries"] == 0
     assert "faults.schedule=sigkill@4:rank=1" in rows["e2e"]["config_differences"]
     assert rows["e2e"]["heldout_loss"] == rows["e2e-2"]["heldout_loss"]
+    # Badput by category, side by side: the run with the SIGKILL drill spent time recovering, the clean one none.
+    assert rows["e2e"]["badput_infrastructure_recovery"] > 0 and rows["e2e-2"]["badput_infrastructure_recovery"] == 0
+    assert all(rows[r][f"badput_{c}"] >= 0 for r in ("e2e", "e2e-2") for c in ("checkpoint_save", "startup"))
     assert (work / "compare.png").stat().st_size > 0
 
     markdown = run_cli("compare", f"--tracking-uri={mlflow_server.tracking_uri}", "--last", "1", "--format",
