@@ -247,10 +247,13 @@ class CheckpointConfig:
     """Writer for async mode: nvrx (NVRx async DCP writer, CUDA only), torch (dcp.async_save in a
     background process on its own gloo group; CPU or CUDA), auto (nvrx on CUDA when installed, else torch)."""
 
-    async_executor: Literal["process", "thread"] = "process"
-    """Where the torch async writer runs: process (DCP's background process reading the state staged in shared
-    memory: no GIL shared with the loop; its start, on the first save, costs an interpreter) or thread (a
-    thread of the training process, as in the PyTorch docs: no start-up, but it shares the GIL)."""
+    async_executor: Literal["process", "thread"] = "thread"
+    """Where the torch async writer runs: thread (a thread of the training process, as in the PyTorch docs) or
+    process (DCP's background process reading the state staged in shared memory). Measured side by side
+    (bench/checkpoint.py, 101 M params, 2 CPU ranks): thread waits less per save (0.27 s vs 0.28 s in steady
+    state, 0.36 s vs 0.60 s over all saves) and keeps more throughput (96.0 % vs 94.4 %): the process costs a
+    new interpreter importing torch at the first save (12.9 s of CPU beside training) and a copy through
+    shared memory at every save."""
 
     background_nice: int = 10
     """CPU priority (Unix nice, 0-19) of background checkpoint work (the async writer process, the commit
