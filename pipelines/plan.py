@@ -120,7 +120,7 @@ def plot_goodput(costs: Costs, path: Path, names: list[str] | None = None) -> Pa
     import matplotlib  # plotting only when asked for
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display
 
     figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
     for name, values in goodput_by_cluster_size(costs, PLOT_NODES, names).items():
