@@ -50,15 +50,21 @@ from trainer.run_dir import RunDir, read_jsonl  # noqa: E402
 log = logging.getLogger("bench.goodput")
 
 NO_MEMORY = ["--checkpoint.memory_interval_steps=0"]
-IN_JOB = ["--resilience.launcher=ft_launcher", "--resilience.max_restarts=10", "--resilience.job_restarts=0"]
-CONFIGS = {
-    "sync+relaunch": ["--checkpoint.mode=sync", *NO_MEMORY, "--resilience.launcher=ft_launcher",
-                      "--resilience.max_restarts=0", "--resilience.job_restarts=10"],
-    "async+ft_launcher": ["--checkpoint.mode=async", *NO_MEMORY, *IN_JOB],
-    "async+ft_launcher+memory+peer": ["--checkpoint.mode=async", *IN_JOB],
-    "in_process+ft_launcher+memory+peer": ["--checkpoint.mode=async", *IN_JOB, "--resilience.in_process=true",
-                                           "--resilience.in_process_max_restarts=10"],
-}
+
+
+def configurations(budget: int) -> dict[str, list[str]]:
+    """The configurations' flags; `budget`: restarts allowed at each layer (more than the schedule's faults)."""
+    in_job = ["--resilience.launcher=ft_launcher", f"--resilience.max_restarts={budget}", "--resilience.job_restarts=0"]
+    return {
+        "sync+relaunch": ["--checkpoint.mode=sync", *NO_MEMORY, "--resilience.launcher=ft_launcher",
+                          "--resilience.max_restarts=0", f"--resilience.job_restarts={budget}"],
+        "async+ft_launcher": ["--checkpoint.mode=async", *NO_MEMORY, *in_job],
+        "async+ft_launcher+memory+peer": ["--checkpoint.mode=async", *in_job],
+        "in_process+ft_launcher+memory+peer": ["--checkpoint.mode=async", *in_job, "--resilience.in_process=true",
+                                               f"--resilience.in_process_max_restarts={budget}"],
+    }
+
+
 FAULT_CLASS = {"exception": "exception", "sigkill": "process"}
 
 
@@ -114,7 +120,7 @@ def main() -> int:
     try:
         data = demo_token_dir(scratch)
         figures: dict[str, dict] = {}
-        for name, flags in CONFIGS.items():
+        for name, flags in configurations(budget=len(faults) + 2).items():
             cfg = load_config("local", [
                 f"--run.work_dir={scratch}", f"--run.run_id={name.replace('+', '-').replace('_', '-')}",
                 f"--model.preset={args.preset}", f"--training.num_steps={args.steps}", "--training.batch_size=8",
