@@ -28,6 +28,7 @@ Writes bench/results/goodput.json.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import statistics
@@ -42,7 +43,7 @@ from trainer import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.events import read_events  # noqa: E402
 from trainer.planning.measured import badput_breakdown, kept_metrics, measured_costs  # noqa: E402
-from trainer.planning.model import CONFIGURATIONS, Costs  # noqa: E402
+from trainer.planning.model import CONFIGURATION_NAMES, CONFIGURATIONS, Costs  # noqa: E402
 from trainer.planning.simulate import simulate  # noqa: E402
 from trainer.resilience.faults import random_schedule  # noqa: E402
 from trainer.run_dir import RunDir, read_jsonl  # noqa: E402
@@ -78,25 +79,41 @@ def explain_recoveries(run_dir: Path) -> list[str]:
     return lines
 
 
-def predict(name: str, run_dir: Path, trace: list[tuple[int, str]], steps: int, interval: int, wall: float,
-            startup: float) -> dict:
-    """The simulator fed with what this run measured and the same faults at the same steps. `startup`: from the
-    job's start (the launcher, not the first worker) to the first step."""
+def measured_inputs(run_dir: Path, steps: int, startup: float) -> dict[str, float]:
+    """What this run measured, as the simulator's costs. `startup`: from the job's start (the launcher, not the
+    first worker) to the first step."""
     measured = {**measured_costs(run_dir), "startup_seconds": startup}
-    productive = badput_breakdown(run_dir)["productive_seconds"]
     costs = {k: v for k, v in measured.items() if k in Costs.__dataclass_fields__}
-    costs["step_seconds"] = productive / steps  # the mean kept step, so that the work is the measured work
+    costs["step_seconds"] = badput_breakdown(run_dir)["productive_seconds"] / steps  # the mean kept step
     costs.setdefault("checkpoint_stall_seconds", costs.get("sync_stall_seconds", 0.0))
+    return costs
+
+
+def predict(name: str, costs: dict[str, float], trace: list[tuple[int, str]], steps: int, interval: int,
+            measured_goodput: float) -> dict:
+    """The simulator fed with the measured costs and the same faults at the same steps."""
     config = next(c for c in CONFIGURATIONS if c.name == name)
-    routes = dict(config.routes)
     step = costs["step_seconds"]
     intervals = {"fsx": interval * step, "fsx_sync": interval * step, "memory": step}
-    result = simulate(Costs(nodes=2, node_mtbf_hours=1.0, **costs), config, intervals, steps * costs["step_seconds"],
-                      trace=trace, final_save=True)
+    result = simulate(Costs(nodes=2, node_mtbf_hours=1.0, **costs), config, intervals, steps * step,
+                      trace=[tuple(t) for t in trace], final_save=True)
     return {"goodput": result["goodput"], "wall_seconds": result["wall_seconds"], "costs": costs,
-            "routes": {k: list(v) for k, v in routes.items()}, "badput": result["badput"],
-            "gap_points": 100 * abs(result["goodput"] - productive / wall)}
+            "routes": {k: list(v) for k, v in config.routes.items()}, "badput": result["badput"],
+            "gap_points": 100 * abs(result["goodput"] - measured_goodput)}
 
+
+def repredict(path: Path) -> dict:
+    """The predictions of a results file again, from the costs and faults it recorded (after a change to the
+    simulator; the measurements stay as they were)."""
+    output = json.loads(path.read_text())
+    for name in CONFIGURATION_NAMES:
+        if name in output:
+            figures = output[name]
+            figures["predicted"] = predict(name, figures["predicted"]["costs"], output["trace"], output["steps"],
+                                           output["interval_steps"], figures["goodput"])
+    output["calibration_gap_points"] = max(output[n]["predicted"]["gap_points"] for n in CONFIGURATION_NAMES if n in output)
+    path.write_text(json.dumps(output, indent=2))
+    return output
 
 
 def main() -> int:
@@ -108,7 +125,13 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=10, help="FSx checkpoint every N steps")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "goodput.json")
+    parser.add_argument("--repredict", action="store_true",
+                        help="only recompute the predictions in --output from the costs and faults it recorded")
     args = parser.parse_args()
+    if args.repredict:
+        output = repredict(args.output)
+        print(f"calibration gap: {output['calibration_gap_points']:.1f} points")
+        return 0
 
     # One schedule, written out explicitly, so every configuration sees exactly the same faults.
     faults = random_schedule(args.steps, args.mtbf, ["exception", "sigkill"], world_size=2, seed=args.seed)
@@ -148,14 +171,14 @@ def main() -> int:
                 "window_seconds": window,
                 "median_step_seconds": statistics.median(r["step_seconds"] for r in kept),
                 "final_loss": result["final_loss"],
-                "predicted": predict(name, run_dir, trace, args.steps, args.interval, wall,
-                                     result["badput_seconds"]["startup"]),
+                "predicted": predict(name, measured_inputs(run_dir, args.steps, result["badput_seconds"]["startup"]),
+                                     trace, args.steps, args.interval, result["goodput"]),
             }
             log.info("%s: goodput %.1f%% (predicted %.1f%%)", name, 100 * figures[name]["goodput"],
                      100 * figures[name]["predicted"]["goodput"])
 
         final_losses = {f["final_loss"] for f in figures.values()}
-        output = {**figures, "schedule": schedule, "steps": args.steps, "preset": args.preset,
+        output = {**figures, "schedule": schedule, "trace": trace, "steps": args.steps, "preset": args.preset,
                   "interval_steps": args.interval, "same_final_loss": len(final_losses) == 1,
                   "calibration_gap_points": max(f["predicted"]["gap_points"] for f in figures.values())}
         write_results(args.output, output, "bench/goodput.py")

@@ -185,10 +185,17 @@ def effective_stall(tier: Tier, interval: float) -> float:
     return tier.stall + max(0.0, tier.background - interval)
 
 
-def expected_loss(tier: Tier, interval: float) -> float:
-    """Work lost on average when recovering from this tier: half an interval, plus the background write during
-    which the newest save is not yet usable."""
-    return interval / 2 + min(tier.background, interval)
+def write_survives(cls: str, mechanism: str) -> bool:
+    """Whether a save in flight still completes: after an exception the process is alive and finishes its write
+    before it exits (trainer.cli closes with the save waited for); not after a process or node dies, and not
+    under an in-process restart (the peers may be gone, so it is dropped)."""
+    return cls == "exception" and mechanism != "in_process"
+
+
+def expected_loss(tier: Tier, interval: float, survives: bool = False) -> float:
+    """Work lost on average when recovering from this tier: half an interval, plus — unless the write in flight
+    survives the fault — the background write during which the newest save is not yet usable."""
+    return interval / 2 + (0.0 if survives else min(tier.background, interval))
 
 
 def tier_rates(costs: Costs, config: Configuration) -> dict[str, float]:
@@ -228,7 +235,8 @@ def expected_goodput(costs: Costs, config: Configuration, intervals: dict[str, f
         source = tiers[tier if tier != "peer" else "memory"]
         restart += share * costs.restart(mechanism)
         reload += share * source.reload
-        lost += share * expected_loss(source, intervals[tier if tier != "peer" else "memory"])
+        lost += share * expected_loss(source, intervals[tier if tier != "peer" else "memory"],
+                                      write_survives(cls, mechanism))
     compute = 1 / (1 + save_fraction)
     goodput = max(0.0, compute * (1 - restart - reload - lost))
     return {"goodput": goodput, "badput": {"checkpoint_save": 1 - compute, "infrastructure_recovery": restart * compute,

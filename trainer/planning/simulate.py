@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.planning.model import FAULT_CLASSES, Configuration, Costs, PlanError
+from trainer.planning.model import FAULT_CLASSES, Configuration, Costs, PlanError, write_survives
 
 _NONE = -1.0  # no usable copy
 
@@ -137,9 +137,14 @@ def simulate(costs: Costs, config: Configuration, intervals: dict[str, float], w
         nonlocal w
         while True:
             faults[cls] += 1
+            mechanism, tier = config.routes[cls]
+            if write_survives(cls, mechanism) and pending:
+                # The failing process finishes its write before it exits: the copy counts, the wait is paid.
+                finish = max(ready for _, ready in pending.values())
+                badput["checkpoint_save"] += max(0.0, finish - now)
+                now = max(now, finish)
             settle(now)
             pending.clear()  # a write in flight dies with its processes
-            mechanism, tier = config.routes[cls]
             source = "memory" if tier == "peer" else tier
             if cls == "rack" or copies.get(source, _NONE) < 0:
                 source = "fsx" if "fsx" in tiers else "fsx_sync"
