@@ -181,6 +181,9 @@ def main() -> int:
             "throughput_ratio_peer": statistics.median(ratios["peer"]),
             "throughput_ratio_async_process": statistics.median(ratios["async_process"]),
             "throughput_ratios": {name: _spread(v) for name, v in ratios.items()},
+            # Within a round the configurations ran back to back: ours over the plain one, round by round.
+            "throughput_async_over_peer": _spread([a / p for a, p in zip(steps_per_second["async"],
+                                                                         steps_per_second["peer"])]),
             "load_seconds": load,
             "raw_read_seconds": raw_read,
             "raw_read_over_load": raw_read / load,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import sys
 
 from common import ROOT, machine  # noqa: E402  (bench/ is the script's folder)
@@ -62,6 +63,10 @@ def goal(value: float, target: float, at_least: bool = True) -> str:
     return "met" if (value >= target if at_least else value <= target) else "**missed**"
 
 
+def when(results: dict) -> str:
+    return f"{results['measured_at']}; " if results.get("measured_at") else ""
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
 
@@ -72,8 +77,15 @@ def spread(d: dict) -> str:
 
 def checkpoint_section(c: dict) -> list[str]:
     ratios = c["throughput_ratios"]
+    none = c["throughput_steps_per_second"]["none"]["samples"]
+    # Rounds whose no-checkpoint runs differ by > 10 % were disturbed: judge the goal on the least disturbed one.
+    calm = max(range(len(none)), key=none.__getitem__)
+    noisy = (max(none) - min(none)) / statistics.median(none) > 0.10
+    async_ratio = ratios["async"]["samples"][calm] if noisy else c["throughput_ratio_async"]
+    async_goal = (f"≥ 97 % — {goal(async_ratio, 0.97)}" + (f" (judged on the least disturbed round: {async_ratio:.1%})"
+                                                             if noisy else ""))
     ours_ok = (c["loop_wait_async_seconds"] <= c["loop_wait_peer_seconds"]
-               and c["throughput_ratio_async"] >= c["throughput_ratio_peer"])
+               and c["throughput_async_over_peer"]["min"] >= 1.0)
     lines = [
         "## Checkpointing — `bench/checkpoint.py`", "",
         "```bash", ".venv/bin/python bench/checkpoint.py     # 101 M params, 2 CPU ranks (gloo), ~25 min", "```", "",
@@ -92,7 +104,7 @@ def checkpoint_section(c: dict) -> list[str]:
         "no-checkpoint run; median and (min–max) over the rounds.",
         "- **raw read / DCP load**: a sequential read of a rank's shard files over `dcp.load` of them (1 = DCP adds "
         "nothing; the key was `load_over_raw_read` and held this ratio under the inverse name).", "",
-        f"Result ({c.get('measured_at', '')}; `{c['command']}`):", "",
+        f"Result ({when(c)}`{c['command']}`):", "",
     ]
     lines += table(["measure", "value", "goal"], [
         ["params / state (params + AdamW, all ranks)", f"{c['params'] / 1e6:.1f} M / {c['state_bytes'] / 1e9:.2f} GB", ""],
@@ -112,16 +124,21 @@ def checkpoint_section(c: dict) -> list[str]:
         ["async loop wait / sync loop wait", f"{c['loop_wait_async_over_sync']:.3f}",
          f"≤ 0.10 — {goal(c['loop_wait_async_over_sync'], 0.10, False)}"],
         ["throughput: sync", spread(ratios["sync"]), ""],
-        ["throughput: async (ours)", spread(ratios["async"]), f"≥ 97 % — {goal(c['throughput_ratio_async'], 0.97)}"],
+        ["throughput: async (ours)", spread(ratios["async"]), async_goal],
         ["throughput: async, process executor", spread(ratios["async_process"]), ""],
         ["throughput: peer", spread(ratios["peer"]), ""],
-        ["ours vs peer (loop wait and throughput)", "at least as good" if ours_ok else "worse", 
+        ["throughput: ours / peer, round by round", spread(c["throughput_async_over_peer"]), ""],
+        ["ours vs peer (loop wait, and throughput in every round)", "at least as good" if ours_ok else "worse",
          f"ours ≥ peer — {'met' if ours_ok else '**missed**'}"],
         ["raw read / DCP load", f"{c['raw_read_over_load']:.1%}", f"≥ 70 % — {goal(c['raw_read_over_load'], 0.7)}"],
     ])
     lines += [
         "Figures as JSON: `bench/results/checkpoint.json`.", "",
         "What the figures say:",
+        f"- **Noise.** The no-checkpoint runs took {', '.join(f'{v:.3f}' for v in none)} steps/s in the three rounds: "
+        "while the first rounds ran, other work shared the machine, so ratios over them can exceed 100 %. Within a "
+        "round the configurations ran back to back, so the round-by-round comparison (ours / peer) is the evidence "
+        "for the ranking; the medians' absolute level is not.",
         f"- **Ours against the plain configuration.** Until this comparison ours wrote from DCP's background "
         f"process; measured side by side it kept *less* throughput than the plain thread-based `dcp.async_save` "
         f"(94.4 % vs 95.1 % median in the first comparison, `bench/results/checkpoint-process-default.json`) although its steady loop wait was lower (0.28 s vs "
@@ -166,7 +183,7 @@ def recovery_section(r: dict) -> list[str]:
         "recovery events (fault → first step after the resume, less a normal step, plus the replayed steps), which "
         "the machine's noise does not blur (clean runs of one configuration differ by up to "
         f"{max(c['clean_spread_seconds'] for c in r['clean_runs'].values()):.1f} s).", "",
-        f"Result ({r.get('measured_at', '')}; `{r['command']}`) — wall difference / in-run, lost steps, reload source:", "",
+        f"Result ({when(r)}`{r['command']}`) — wall difference / in-run, lost steps, reload source:", "",
         *table(["mechanism", *kinds], rows),
         *table(["goal", "wall difference", "in-run"], [
             ["SIGKILL, memory tier ≤ 0.35 × full relaunch", f"{g['ft_launcher_memory/sigkill over full_relaunch']:.2f}",
@@ -204,7 +221,7 @@ def goodput_section(g: dict) -> list[str]:
         "goodput divides by the steps' window only (first step's start to last step's end). *Predicted*: the "
         "simulator (`trainer.planning.simulate`, trace mode) fed with the costs each run measured "
         "(`trainer.planning.measured`) and the same faults at the same steps.", "",
-        f"Result ({g.get('measured_at', '')}; `{g['command']}`):", "",
+        f"Result ({when(g)}`{g['command']}`):", "",
         *table(["configuration", "goodput", "predicted", "window goodput", "lost steps", "faults", "recoveries"], rows),
         f"**Calibration gap** (largest |predicted − measured|): **{g['calibration_gap_points']:.1f} points** — goal ≤ 5: "
         f"{goal(g['calibration_gap_points'], 5.0, False)}. Same final loss in every configuration: {g['same_final_loss']}.", "",
