@@ -37,7 +37,7 @@ def tmp_folders(checkpoint_dir):
     return {(p.name, p.stat().st_ino) for p in checkpoint_dir.iterdir() if p.name.endswith(".tmp")}
 
 
-def kill_during_a_save(cfg, token_dir, rng, timeout=120.0):
+def kill_during_a_save(cfg, token_dir, rng, timeout=120.0, delay=0.4):
     """Start, wait for the second save this launch begins (a new step-N.tmp after a first one: so every launch
     commits progress before it dies), kill -9 a random while later.
 
@@ -55,7 +55,7 @@ def kill_during_a_save(cfg, token_dir, rng, timeout=120.0):
         time.sleep(0.01)
     assert len(seen) >= 2, f"no second save started within {timeout} s; see {cfg.run_dir / 'train.log'}"
     step = max(seen)
-    time.sleep(rng.uniform(0.0, 0.4))
+    time.sleep(rng.uniform(0.0, delay))
     kill_everything(proc, token)
     return step, not (cfg.checkpoint_dir / step_dir_name(step)).exists()
 
@@ -65,14 +65,17 @@ def losses(cfg):
 
 
 def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(tmp_path, token_dir, training_config):
-    reference_cfg = training_config(tmp_path / "reference", "reference", *STEPS)
+    # Long enough that the kills that land after a save committed (the writer thread finishes a save of this
+    # model in a few tenths of a second) leave steps for the next attempts.
+    steps = ["--training.num_steps=40", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=3"]
+    reference_cfg = training_config(tmp_path / "reference", "reference", *steps)
     run_local_training(reference_cfg, token_dir)
 
-    cfg = training_config(tmp_path / "crashy", "crashy", *STEPS, "--checkpoint.mode=async")
+    cfg = training_config(tmp_path / "crashy", "crashy", *steps, "--checkpoint.mode=async")
     rng = random.Random(20261130)
     killed_steps = []
-    for _ in range(8):
-        step, landed = kill_during_a_save(cfg, token_dir, rng)
+    for _ in range(12):
+        step, landed = kill_during_a_save(cfg, token_dir, rng, delay=0.2)
         if landed:
             killed_steps.append(step)
         # The commit protocol's promise: every folder named step-N verifies; only *.tmp may be partial.
@@ -83,7 +86,7 @@ def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(
     assert len(killed_steps) == 3, "fewer than 3 kills landed while a save was in flight"
 
     result = run_local_training(cfg, token_dir)
-    assert result["steps"] == 16
+    assert result["steps"] == 40
     assert losses(cfg) == losses(reference_cfg)  # every step, replays included, bit-identical
 
     resumes = [event["step"] for event in read_events(cfg.run_dir, "resume")]

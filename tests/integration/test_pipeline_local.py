@@ -152,11 +152,14 @@ def test_the_planner_reads_a_finished_runs_costs_from_mlflow(successful_run, wor
     train = client.search_runs([parent.info.experiment_id], filter_string=(
         f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.pipeline_step = 'train'"))[0]
     assert main(["plan", "--tracking-uri", summary["mlflow_tracking_uri"], "--run-id", train.info.run_id,
-                 "--nodes", "2", "--node-mtbf-hours", "0.05", "--format", "json"]) == 0
+                 "--nodes", "2", "--node-mtbf-hours", "0.5", "--format", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["costs"]["step_seconds"] == pytest.approx(train.data.metrics["cost_step_seconds"])
     assert plan["costs"]["restart_seconds"] == pytest.approx(train.data.metrics["cost_restart_seconds"])
-    assert plan["interval_steps"] >= 1 and all(0 < c["goodput"] <= 1 for c in plan["configurations"])
+    # A fault every 15 minutes: a 270 s job relaunch each time costs a third of the time, in-job restarts little.
+    goodput = {c["name"]: c["goodput"] for c in plan["configurations"]}
+    assert plan["interval_steps"] >= 1 and all(0 <= g <= 1 for g in goodput.values())
+    assert goodput["sync+relaunch"] < 0.75 < goodput["async+ft_launcher+memory+peer"]
     assert main(["plan", "--tracking-uri", summary["mlflow_tracking_uri"], "--run-id", parent.info.run_id]) == 2
     assert "has no cost_* metrics" in capsys.readouterr().err
 
