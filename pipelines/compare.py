@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-BADPUT = ["checkpoint_save", "checkpoint_load", "wasted_progress", "infrastructure_recovery", "startup", "data_loading"]
+from trainer.planning.measured import BADPUT_CATEGORIES
+
+BADPUT = [c for c in BADPUT_CATEGORIES if c != "other"]
 COLUMNS = ["run", "started", "status", "trigger", "config_differences", "goodput", *(f"badput_{b}" for b in BADPUT),
            "recoveries", "lost_steps", "checkpoint_stall_s", "final_train_loss", "heldout_loss", "promoted"]
 _NOT_CONFIG = ("run.run_id", "run.work_dir", "data.fsx_root", "checkpoint.dir", "mlflow.", "local.")

@@ -48,10 +48,6 @@ def save_stalls(run_dir: Path) -> dict[int, dict[str, float]]:
     return stalls
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def measured_costs(run_dir: Path) -> dict[str, float]:
     """The planner's inputs (trainer.planning.model.Costs field names) that this run measured; a cost the run
     did not exercise (no fault of that kind, no save) is left out."""
