@@ -126,9 +126,14 @@ def test_save_drills_parse_and_fire_once_at_their_point(tmp_path):
     from trainer.events import EventLog
     from trainer.resilience.faults import FaultInjector, parse_schedule
 
-    faults = parse_schedule("kill_before_rename@6, kill_during_retention@8:rank=1")
+    faults = parse_schedule("kill_before_rename@6, kill_during_shard_write@8:rank=1")
     with pytest.raises(ValueError, match="takes TYPE@STEP"):
         parse_schedule("kill_before_rename@t=5s")
+    # Only rank 0 commits: a drill at a commit sub-step on another rank could never fire, so it is refused.
+    for drill in ("kill_before_rename@141:rank=1", "kill_before_manifest@4:rank=1", "kill_during_retention@8:rank=1",
+                  "kill_before_parent_fsync@2:rank=3"):
+        with pytest.raises(ValueError, match="could never fire: only rank 0 commits"):
+            parse_schedule(drill)
     killed = []
     injector = FaultInjector(faults, 0, EventLog(tmp_path, 0), set(), run_started_at=0.0, slow_seconds=0)
     import trainer.resilience.faults as module

@@ -93,7 +93,7 @@ def test_without_a_launcher_the_process_keeps_its_own_folder(tmp_path, monkeypat
     monkeypatch.delenv(NODE_STORE_ENV, raising=False)
     monkeypatch.setattr(atexit, "register", lambda *args: None)  # the folder is tmp_path's; pytest removes it
     folder = node_store_folder(str(tmp_path), "run-1")
-    assert folder == tmp_path / "run-1" / f"process-{os.getpid()}"
+    assert folder.parent == tmp_path / "run-1" and folder.name.startswith(f"process-{os.getpid()}-")
     assert os.environ[NODE_STORE_ENV] == str(folder)  # an in-process restart finds the same folder
     monkeypatch.setenv(NODE_STORE_ENV, "/somewhere/launch-1")
     assert node_store_folder(str(tmp_path), "run-1") == Path("/somewhere/launch-1")  # the launcher's, as given
@@ -114,3 +114,27 @@ def test_agreement_on_one_process(tmp_path, monkeypatch):
         tier.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_copies_of_a_killed_process_are_freed_by_the_next_one(tmp_path, monkeypatch):
+    """`torchrun -m trainer` without the pipeline's launcher: each rank keeps its own folder in node memory
+    (RAM) and removes it at exit — which a SIGKILL skips. The next process on the node frees it."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from trainer.checkpoint.node_store import node_store_folder; "
+            "f = node_store_folder(sys.argv[1], 'run-1'); f.mkdir(parents=True); "
+            "(f / 'state.bin').write_bytes(bytes(1 << 20)); print(f, flush=True); time.sleep(60)")
+    env = {k: v for k, v in os.environ.items() if k != NODE_STORE_ENV}
+    child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    dead = Path(child.stdout.readline().strip())
+    assert dead.is_dir()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert dead.is_dir()  # no atexit ran
+
+    monkeypatch.delenv(NODE_STORE_ENV, raising=False)
+    monkeypatch.setattr(atexit, "register", lambda *args: None)
+    mine = node_store_folder(str(tmp_path), "run-1")
+    assert not dead.exists() and mine != dead

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
@@ -19,12 +20,44 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from trainer.config import CheckpointConfig
 from trainer.resilience import nvrx_compat
+
+log = logging.getLogger(__name__)
+
+class InjectedWriteFailure(OSError):
+    """The checkpoint_writer_crash drill: a writer that failed half-way through its files."""
+
+
+class _WriterThatFailsMidWrite(FileSystemWriter):
+    """The checkpoint_writer_crash drill's writer: writes this rank's shards as usual, then cuts the last one
+    in half and fails — what a writer dying mid-write (a full disk, an I/O error, a killed writer) leaves.
+    DCP reports the failure to every rank, so the whole save fails and is never committed."""
+
+    def __init__(self, folder: Path, fault_key: str):
+        super().__init__(str(folder))
+        self.folder = Path(folder)
+        self.fault_key = fault_key
+
+    def write_data(self, plan, planner):
+        results = super().write_data(plan, planner).wait()
+        files = sorted({r.storage_data.relative_path for r in results})
+        torn = self.folder / files[-1]
+        with torn.open("r+b") as handle:
+            handle.truncate(torn.stat().st_size // 2)
+        raise InjectedWriteFailure(f"injected {self.fault_key}: the checkpoint writer failed with {torn.name} "
+                                   "half-written")
+
+
+def writer_for(folder: Path, fail_with: str | None):
+    """DCP's file-system writer, or the drill's failing one when a writer-crash fault is due."""
+    return _WriterThatFailsMidWrite(folder, fail_with) if fail_with else FileSystemWriter(str(folder))
+
 
 class PendingWrite:
     """A write that may still be running; wait() re-raises its failure."""
@@ -34,6 +67,16 @@ class PendingWrite:
 
     def wait(self) -> None:
         return None
+
+
+class FailedWrite(PendingWrite):
+    """A write that failed before it got going (sync mode): wait() re-raises, like a background one."""
+
+    def __init__(self, err: BaseException):
+        self.err = err
+
+    def wait(self) -> None:
+        raise self.err
 
 
 class _FutureWrite(PendingWrite):
@@ -49,11 +92,22 @@ class _FutureWrite(PendingWrite):
         self.future.result()
 
 
+def forget_cached_save_plans() -> None:
+    """Empty DCP's save-plan cache (enable_plan_caching), which lives in SavePlanner class attributes for the
+    whole process (torch 2.13, torch/distributed/checkpoint/planner.py; private, pinned by constraints.txt).
+    A save cut short on one rank (a fault, an in-process restart) leaves the ranks' caches out of step: the
+    coordinator then sends "unchanged" to a rank that has no cached final plan (KeyError 'DefaultSavePlanner').
+    Every rank calls this at the same points (a new backend, a failed save), so the next save plans afresh."""
+    for name in ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+                 "_cached_metadata"):
+        getattr(SavePlanner, name, {}).clear()
+
+
 class SyncBackend:
     name = "sync"
 
-    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
-        dcp.save(state, checkpoint_id=str(folder))
+    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
+        dcp.save(state, checkpoint_id=str(folder), storage_writer=writer_for(folder, fail_with))
         return PendingWrite()
 
     def close(self) -> None:
@@ -78,11 +132,13 @@ class TorchAsyncBackend:
         # pickled copies. The stager caches these buffers, so later saves copy into warm memory.
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=executor == "process",
                                                    use_async_staging=False, use_non_blocking_copy=False))
+        forget_cached_save_plans()  # a new Trainer in this process (an in-process restart): a new cache
 
-    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
         # Plan caching: the state's layout is the same every save, so the persistent background process
         # skips re-planning (a round of collectives) after the first save.
         response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
+                                  storage_writer=writer_for(folder, fail_with),
                                   planner=DefaultSavePlanner(enable_plan_caching=True),
                                   async_checkpointer_type=self.executor, async_stager=self.stager)
         # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
@@ -113,12 +169,21 @@ class NvrxAsyncBackend:
         self._compat = nvrx_compat
         self.queue = nvrx_compat.async_calls_queue(persistent=True)
 
-    def start(self, state: dict[str, Any], folder: Path) -> PendingWrite:
+    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
+        if fail_with:  # NVRx writes in its persistent worker process: the drill kills it mid-save instead
+            self._kill_worker_after_schedule = fail_with
         writer = self._compat.filesystem_writer_async(str(folder))
         plan = self._compat.plan_async_save(state, writer)
         finished = {"done": False}
         request = self._compat.async_request(writer, plan, lambda: finished.update(done=True))
         self.queue.schedule_async_request(request)
+        if getattr(self, "_kill_worker_after_schedule", None):
+            killed = psutil.Process().children(recursive=True)
+            for child in killed:
+                child.kill()
+            log.warning("%s: killed NVRx's checkpoint worker (%d process(es)) mid-save",
+                        self._kill_worker_after_schedule, len(killed))
+            self._kill_worker_after_schedule = None
         backend = self
 
         class _NvrxWrite(PendingWrite):

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.backends import PendingWrite, make_backend
+from trainer.checkpoint.backends import FailedWrite, PendingWrite, forget_cached_save_plans, make_backend
 from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, fsync_dir, latest_valid_checkpoint, stale_folders,
                                        step_dir_name, verify_checkpoint, write_manifest)
 from trainer.checkpoint.memory import MemoryTier
@@ -56,10 +57,15 @@ class _InFlight:
     write: PendingWrite
     started: float
     blocking_seconds: float
+    fault_key: str | None = None  # a writer-crash drill armed on this rank for this save
 
 
-def _no_hook(point: str, step: int) -> None:
+def _no_hook(point: str, step: int) -> str | None:
     return None
+
+
+# DCP raises CheckpointException (a BaseException) on every rank when any rank's write failed.
+WRITE_FAILURES = (Exception, CheckpointException)
 
 
 class CheckpointManager:
@@ -161,10 +167,14 @@ class CheckpointManager:
         dist.barrier()
         started = time.perf_counter()
         barrier_seconds = started - barrier_from
-        write = self._backend.start(state, staging)
+        fault_key = self._save_point("write", step)  # the checkpoint_writer_crash drill: this write fails
+        try:
+            write = self._backend.start(state, staging, fail_with=fault_key)
+        except WRITE_FAILURES as err:  # sync: the write itself failed
+            write = FailedWrite(err)
         blocking = time.perf_counter() - started
         self._save_point("shard_write", step)  # async: the shards are being written right now
-        self._in_flight = _InFlight(step, staging, write, started, blocking)
+        self._in_flight = _InFlight(step, staging, write, started, blocking, fault_key)
         self._last_saved_step = step
         if self._cfg.mode == "sync":
             self._finish_in_flight()
@@ -189,7 +199,11 @@ class CheckpointManager:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return
-        flight.write.wait()
+        try:
+            flight.write.wait()
+        except WRITE_FAILURES as err:
+            self._save_failed(flight, err)
+            return
         write_seconds = time.perf_counter() - flight.started
         self._events.write("checkpoint_written", step=flight.step, mode=self._backend.name,
                           blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds)
@@ -205,6 +219,19 @@ class CheckpointManager:
             commit()
         else:
             self._commit_future = self._commits.submit(commit)
+
+    def _save_failed(self, flight: _InFlight, err: BaseException) -> None:
+        """A write that failed on any rank fails on every rank (DCP tells them all): nothing of it is committed,
+        its folder goes, training goes on, and the next save (or the final one) commits."""
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[-1][:2000]  # DCP's last line: the cause
+        log.error("checkpoint step %d failed, not committed (training goes on, the next save commits): %s",
+                  flight.step, cause)
+        self._events.write("checkpoint_failed", step=flight.step, mode=self._backend.name, error=cause,
+                          fault_key=flight.fault_key)
+        self._last_saved_step = None if self._last_saved_step == flight.step else self._last_saved_step
+        forget_cached_save_plans()  # every rank saw this failure: the next save plans afresh on all of them
+        if self._rank == 0:
+            shutil.rmtree(flight.staging, ignore_errors=True)
 
     def _commit(self, flight: _InFlight, write_seconds: float) -> None:
         if self._cfg.mode == "async" and self._cfg.background_nice:
@@ -294,6 +321,18 @@ class CheckpointManager:
             self._verified.pop(folder, None)
             self._save_point("retention", step)
             shutil.rmtree(deleting, ignore_errors=True)
+
+    def save_final(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> None:
+        """The end of training: step saved and committed — saved now unless a save of it is in flight or done,
+        and saved again if that save failed."""
+        self.save(step, state_fn, last=True)
+        self.wait()
+        if self.enabled and self._last_saved_step != step:
+            log.warning("the final checkpoint (step %d) failed; saving it again", step)
+            self.save(step, state_fn, last=True)
+            self.wait()
+            if self._last_saved_step != step:
+                raise RuntimeError(f"the final checkpoint (step {step}) failed twice; see the checkpoint_failed events")
 
     def wait(self) -> None:
         """Finish the save in flight and its commit (not the S3 uploads: see close)."""

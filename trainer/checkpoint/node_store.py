@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import psutil
 import torch
 import xxhash
 
@@ -54,10 +55,35 @@ def node_store_folder(memory_dir: str, run_id: str) -> Path:
     in-process restart keeps using it).
     """
     if not os.environ.get(NODE_STORE_ENV):
-        folder = Path(memory_dir) / run_id / f"process-{os.getpid()}"
+        root = Path(memory_dir) / run_id
+        remove_dead_owners(root)  # a process killed (SIGKILL, OOM) never ran its atexit: its copies are RAM
+        folder = root / owner_name("process", psutil.Process())
         os.environ[NODE_STORE_ENV] = str(folder)
         atexit.register(shutil.rmtree, folder, True)
     return Path(os.environ[NODE_STORE_ENV])
+
+
+def owner_name(kind: str, proc: psutil.Process) -> str:
+    """A folder name that identifies its owning process for good: pid and start time (pids are reused)."""
+    return f"{kind}-{proc.pid}-{int(proc.create_time() * 100)}"
+
+
+def remove_dead_owners(root: Path) -> list[Path]:
+    """Remove the launch-*/process-* folders under root whose owning process is gone; returns them."""
+    removed = []
+    for folder in [*Path(root).glob("launch-*"), *Path(root).glob("process-*")]:
+        kind, _, rest = folder.name.partition("-")
+        try:
+            alive = owner_name(kind, psutil.Process(int(rest.split("-")[0]))) == folder.name
+        except (ValueError, IndexError, psutil.NoSuchProcess, psutil.AccessDenied):
+            alive = False
+        if not alive:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.info("freed the node memory of %d process(es) that are gone: %s", len(removed),
+                 ", ".join(f.name for f in removed))
+    return removed
 
 
 def holds_a_copy(folder: str | Path | None) -> bool:

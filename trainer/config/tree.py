@@ -14,6 +14,7 @@ import yaml
 
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.rules import require
+from trainer.resilience.faults import parse_schedule, unfirable
 from trainer.run_dir import RunDir
 from trainer.config.training import (CheckpointConfig, DataConfig, FaultsConfig, ModelConfig, ResilienceConfig,
                                      RunConfig, TrainingConfig)
@@ -42,6 +43,12 @@ class Config:
                 value = getattr(values, item.name)
                 if isinstance(value, float):
                     require(math.isfinite(value), f"{section.name}.{item.name}", f"must be a finite number, got {value}")
+        # A drill that could never fire in this run would "pass" while testing nothing: refused here, where the
+        # whole run is known (the schedule's grammar is checked by its own section).
+        why = unfirable(parse_schedule(self.faults.schedule),
+                        world_size=self.training.nproc_per_node * self.training.num_nodes,
+                        checkpoints=self.checkpoint.enabled)
+        require(why is None, "faults.schedule", f"{why}; fix or drop that item")
 
     # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
     @property

@@ -1,14 +1,21 @@
 """Fault injection: real faults at chosen steps, times or on a seeded schedule, for drills, tests and benchmarks.
 
-    faults.schedule = "sigkill@120:rank=1, hang@200, exception@t=30, kill_before_rename@40"
+    faults.schedule = "sigkill@120:rank=1, hang@200, exception@t=30, kill_before_rename@40, exception@150:repeat"
 
 Loop faults fire after a step (``maybe_inject``); save drills SIGKILL the process at one sub-step of a save
 (``at_save_point``, called by the checkpoint manager), to prove that a crash anywhere in a save costs no more
-than that save.
+than that save; ``checkpoint_writer_crash`` makes the writer of a save fail half-way through its files (the
+save is reported failed, never committed, and the next one commits).
 
 Each fault fires once per run: before acting, the faulting rank records a ``fault`` event in its events file
 (durable across the restart), and a fault already recorded there never fires again — so the replay of the
-lost steps after recovery runs clean. The training loop calls ``maybe_inject(step)`` once per step.
+lost steps after recovery runs clean. A ``:repeat`` fault is a crash loop instead: it fires on every attempt
+that is about to train its step (a bad batch, a broken node), which the restart budget must end
+(trainer.resilience.budget). The training loop calls ``maybe_inject(step)`` once per step.
+
+Every fault leaves a record after it fires: a ``recovery`` naming it (``fault_keys``), or, when no restart
+was needed, a ``fault_absorbed`` event (slow_rank) or a ``checkpoint_failed`` event (checkpoint_writer_crash).
+A schedule item that could never fire is refused when the schedule is parsed.
 """
 
 from __future__ import annotations
@@ -22,21 +29,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-
 from trainer.events import read_events
 
 log = logging.getLogger(__name__)
 
-LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "checkpoint_writer_crash",
-               "node_loss", "corrupt_memory")
-# Save drill -> the sub-step of CheckpointManager.save it kills at (the manager calls save_point(point, step)).
+LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
+               "corrupt_memory")
+# Save drill -> the sub-step of CheckpointManager.save it acts at (the manager calls save_point(point, step)).
 SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
               "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
               "kill_during_retention": "retention"}
-FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_KILLS)
+SAVE_FAULTS = {**SAVE_KILLS, "checkpoint_writer_crash": "write"}
+# Sub-steps only rank 0 performs (the commit runs on rank 0's commit thread): a drill there on another rank
+# could never fire.
+RANK_0_SAVE_POINTS = ("before_manifest", "before_rename", "before_parent_fsync", "retention")
+FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS)
+REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
 
-_ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?$")
+_ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
+                   r"(?P<repeat>:repeat)?$")
 
 
 class InjectedFault(RuntimeError):
@@ -49,11 +60,12 @@ class Fault:
     step: int | None  # fires after this optimizer step completes
     seconds: float | None  # or once this many seconds of training have passed in the run
     rank: int
+    repeat: bool = False  # fires on every attempt that is about to train `step` (a crash loop)
 
     @property
     def key(self) -> str:
         when = f"{self.step}" if self.step is not None else f"t={self.seconds}"
-        return f"{self.type}@{when}:rank={self.rank}"
+        return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat else "")
 
 
 def parse_schedule(text: str) -> list[Fault]:
@@ -68,11 +80,30 @@ def parse_schedule(text: str) -> list[Fault]:
                              "(e.g. sigkill@120:rank=1)")
         if match["type"] not in FAULT_TYPES:
             raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
-        if match["type"] in SAVE_KILLS and match["seconds"]:
+        kind, rank = match["type"], int(match["rank"] or 0)
+        if kind in SAVE_FAULTS and match["seconds"]:
             raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
-        faults.append(Fault(match["type"], int(match["step"]) if match["step"] else None,
-                            float(match["seconds"]) if match["seconds"] else None, int(match["rank"] or 0)))
+        if kind in SAVE_FAULTS and SAVE_FAULTS[kind] in RANK_0_SAVE_POINTS and rank != 0:
+            raise ValueError(f"{raw!r} could never fire: only rank 0 commits checkpoints (its {SAVE_FAULTS[kind]} "
+                             "sub-step runs nowhere else); drop ':rank=...'")
+        if match["repeat"] and (kind not in REPEATABLE or match["seconds"]):
+            raise ValueError(f"{raw!r}: ':repeat' (a crash loop at one step) takes TYPE@STEP with TYPE one of "
+                             f"{list(REPEATABLE)}")
+        faults.append(Fault(kind, int(match["step"]) if match["step"] else None,
+                            float(match["seconds"]) if match["seconds"] else None, rank, bool(match["repeat"])))
     return faults
+
+
+def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool) -> str | None:
+    """Why a parsed schedule item could never fire in any run of this job, if one could not (the config refuses
+    it). A step past training.num_steps is not refused: shortening a run should not mean editing its drills;
+    the trainer says which will not fire (FaultInjector)."""
+    for fault in faults:
+        if fault.rank >= world_size:
+            return f"{fault.key} could never fire: rank {fault.rank} does not exist (the job has {world_size} ranks)"
+        if fault.type in SAVE_FAULTS and not checkpoints:
+            return f"{fault.key} could never fire: checkpoint.enabled is false, so no save happens"
+    return None
 
 
 def random_schedule(num_steps: int, mtbf_steps: float, types: list[str], world_size: int, seed: int) -> list[Fault]:
@@ -83,7 +114,10 @@ def random_schedule(num_steps: int, mtbf_steps: float, types: list[str], world_s
         step += rng.expovariate(1.0 / mtbf_steps)
         if step >= num_steps:
             return faults
-        faults.append(Fault(rng.choice(types), max(1, int(step)), None, rng.randrange(world_size)))
+        kind, rank = rng.choice(types), rng.randrange(world_size)
+        if SAVE_FAULTS.get(kind) in RANK_0_SAVE_POINTS:
+            rank = 0  # only rank 0 commits
+        faults.append(Fault(kind, max(1, int(step)), None, rank))
 
 
 class FaultInjector:
@@ -93,9 +127,11 @@ class FaultInjector:
                  slow_seconds: float, node_memory=None):
         """node_memory: this rank's node-memory store (trainer.checkpoint.node_store.RankStore), for the
         node_loss and corrupt_memory drills; None when the memory tier is off."""
-        mine = [f for f in faults if f.rank == rank and f.key not in fired_keys]
-        self.pending = [f for f in mine if f.type not in SAVE_KILLS]
-        self.save_kills = [f for f in mine if f.type in SAVE_KILLS]
+        mine = [f for f in faults if f.rank == rank and (f.repeat or f.key not in fired_keys)]
+        self.pending = [f for f in mine if f.type not in SAVE_FAULTS and not f.repeat]
+        self.repeating = [f for f in mine if f.repeat]
+        self.save_kills = [f for f in mine if f.type in SAVE_FAULTS]
+        self.fired_keys = fired_keys
         self.rank = rank
         self.events = events
         self.run_started_at = run_started_at
@@ -114,21 +150,38 @@ class FaultInjector:
             self.pending.remove(fault)
             self._fire(fault, step)
 
-    def at_save_point(self, point: str, step: int) -> None:
-        """SIGKILL this process if a save drill is due at this sub-step of step's save (called from the
-        checkpoint manager, possibly on its commit thread: the kill takes the whole process)."""
+    def before_step(self, step: int) -> None:
+        """A `:repeat` fault due at `step` fires now, before that step trains — on every attempt that gets here
+        (called after the previous step, and after a resume)."""
+        for fault in self.repeating:
+            if fault.step == step:
+                count = sum(1 for key in self.fired_keys if key.startswith(fault.key + "#"))
+                key = f"{fault.key}#{count + 1}"
+                self.fired_keys.add(key)
+                self._fire(fault, step - 1, key=key)
+
+    def at_save_point(self, point: str, step: int) -> str | None:
+        """Called by the checkpoint manager at each sub-step of step's save (possibly on its commit thread).
+        A kill drill due here SIGKILLs the process (the whole process: every thread); a writer-crash drill due
+        at "write" is returned as the fault key the write must fail with (the backend fails it half-way)."""
         for fault in self.save_kills:
-            if SAVE_KILLS[fault.type] == point and step >= fault.step:
+            if SAVE_FAULTS[fault.type] == point and step >= fault.step:
                 self.save_kills.remove(fault)
                 self.events.write("fault", fault_type=fault.type, key=fault.key, step=step, pid=os.getpid(),
                                   save_point=point)
+                if fault.type == "checkpoint_writer_crash":
+                    log.warning("injecting fault %s: the writer of the step-%d save on rank %d fails mid-write",
+                                fault.key, step, self.rank)
+                    return fault.key
                 log.warning("injecting fault %s: SIGKILL at %s of the step-%d save on rank %d", fault.key, point,
                             step, self.rank)
                 os.kill(os.getpid(), signal.SIGKILL)
+        return None
 
-    def _fire(self, fault: Fault, step: int) -> None:
-        self.events.write("fault", fault_type=fault.type, key=fault.key, step=step, pid=os.getpid())
-        log.warning("injecting fault %s at step %d on rank %d", fault.key, step, self.rank)
+    def _fire(self, fault: Fault, step: int, key: str | None = None) -> None:
+        key = key or fault.key
+        self.events.write("fault", fault_type=fault.type, key=key, step=step, pid=os.getpid())
+        log.warning("injecting fault %s after step %d on rank %d", key, step, self.rank)
         if fault.type == "exception":
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
         if fault.type == "sigkill":
@@ -156,11 +209,9 @@ class FaultInjector:
                 time.sleep(0.1)
         if fault.type == "slow_rank":
             time.sleep(self.slow_seconds)
-        if fault.type == "checkpoint_writer_crash":
-            writers = psutil.Process().children(recursive=True)
-            for child in writers:
-                child.kill()
-            log.warning("killed %d checkpoint writer process(es) of rank %d", len(writers), self.rank)
+            self.events.write("fault_absorbed", fault_key=key, step=step,
+                              why=f"rank {self.rank} stalled {self.slow_seconds:g} s and training went on: "
+                                  "no restart needed")
 
 
 def fired_fault_keys(run_dir: Path) -> set[str]:
