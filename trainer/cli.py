@@ -11,7 +11,7 @@ Runbook (from the repository root, after the stage step has written token shards
 
 Any ``--section.key=value`` after the known flags overrides the config. Rank 0 writes
 ``<run_dir>/metrics.jsonl`` (one line per step) and ``result.json`` at the end. Exit code 2 names a bad
-config field. With resilience.in_process the training runs inside NVRx's in-process restart.
+config field; exit code 42 means the restart budget gave up on a crash loop (trainer.resilience.budget). With resilience.in_process the training runs inside NVRx's in-process restart.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from trainer import logs
 from trainer.config import ConfigError, load_config
+from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, EscalateToLauncher, RestartBudgetExhausted
 from trainer.resilience.in_process import InProcessAttempt, run_with_in_process_restart
 from trainer.trainer import Trainer
 
@@ -58,8 +59,13 @@ def main(argv: list[str] | None = None) -> int:
             # After a fault the peers may be gone: the save in flight is dropped, not waited for.
             trainer.close(wait_for_checkpoint=finished or attempt is None)
 
-    if cfg.resilience.in_process:
-        run_with_in_process_restart(cfg, train)
-    else:
-        train()
+    try:
+        if cfg.resilience.in_process:
+            run_with_in_process_restart(cfg, train)
+        else:
+            train()
+    except RestartBudgetExhausted:
+        return CRASH_LOOP_EXIT_CODE  # no layer restarts this (trainer.resilience.budget); the message is logged
+    except EscalateToLauncher:
+        return 1  # ft_launcher restarts the processes
     return 0

@@ -28,6 +28,8 @@ MIN_INITIAL_HEARTBEAT_SECONDS = 120.0
 # Imports, model build and first step (s), plus NCCL communicator set-up, which grows with the job (s/GPU).
 STARTUP_SECONDS, STARTUP_SECONDS_PER_GPU = 60.0, 0.5
 SAFETY_FACTOR = 1.5
+# --max-restarts when the progress rule alone bounds restarts: what stops a crash loop is exit code 42.
+UNCOUNTED_RESTARTS = 1_000_000
 
 
 def parameter_count(preset: str, vocab_size: int) -> int:
@@ -80,22 +82,26 @@ def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, 
     else a TrainJob's node, where the Trainer's torch plugin sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR
     and PET_MASTER_PORT (read by both launchers) and Kubernetes expands $(VAR) in the command."""
     r = cfg.resilience
+    # The launchers' own restart counts stay out of the way of the progress rule (trainer.resilience.budget)
+    # unless a count is configured.
+    max_restarts = r.max_restarts if r.max_restarts >= 0 else UNCOUNTED_RESTARTS
     if r.launcher == "ft_launcher":
         timeout, _ = initial_heartbeat_timeout(cfg, Path(data_dir))
-        flags = nvrx_compat.ft_launcher_flags(timeout, r.heartbeat_timeout, r.max_restarts,
+        flags = nvrx_compat.ft_launcher_flags(timeout, r.heartbeat_timeout, max_restarts,
                                               node_health_check_endpoint=r.node_health_check_endpoint)
     else:
-        flags = [f"--max-restarts={r.max_restarts}"]
+        flags = [f"--max-restarts={max_restarts}"]
     if job_name is None:
         rendezvous = ["--standalone"]
     else:  # node rank 0 hosts the store: trainer.launcher adds is_host from PET_NODE_RANK
         rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
                       f"--rdzv-id={job_name}", f"--rdzv-conf=join_timeout={int(r.rendezvous_timeout)}"]
     ckpt = cfg.checkpoint
-    node_store = ([f"--node-store={Path(ckpt.memory_dir) / cfg.run.run_id}"]
-                  if ckpt.enabled and ckpt.memory_interval_steps else [])
-    node_store += ["--fork-server"] if r.warm_start else []
+    options = ([f"--node-store={Path(ckpt.memory_dir) / cfg.run.run_id}"]
+               if ckpt.enabled and ckpt.memory_interval_steps else [])
+    options += ["--fork-server"] if r.warm_start else []
+    options.append(f"--run-dir={cfg.run_dir}")  # system metrics, and a stop when the restart budget gives up
     # ft_launcher rejects --nproc-per-node=auto: always explicit.
-    return [python or sys.executable, "-m", "trainer.launcher", *node_store, r.launcher, *flags, *rendezvous,
+    return [python or sys.executable, "-m", "trainer.launcher", *options, r.launcher, *flags, *rendezvous,
             f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer", "--config", str(config_path),
             "--data-dir", str(data_dir)]

@@ -15,43 +15,51 @@ restarted workers find the state their predecessors left, and removes it when th
 folders of launches on this node that are no longer alive. With --fork-server it starts the node's warm
 server first (trainer.warm_start), so every worker — and every restarted one — starts as a fork of a process
 that has already imported the trainer.
+
+With --run-dir it samples this node's system metrics into ``<run_dir>/system/node-<rank>.jsonl`` (the train
+step forwards them to MLflow), and it ends the launch with exit code 42 when the restart budget gave up
+(``<run_dir>/gave_up.json`` of this launch's lease generation; trainer.resilience.budget): ft_launcher's own
+restart count is kept out of the way, so this is what stops a crash loop at this layer.
 """
 
+import contextlib
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import psutil
 
-from trainer.checkpoint.node_store import NODE_STORE_ENV
+from trainer.checkpoint.node_store import NODE_STORE_ENV, owner_name, remove_dead_owners
+from trainer.lease import GENERATION_ENV
 from trainer.parent_watch import forked_children_die_with_this_process, watch_parent
-from trainer.resilience.nvrx_compat import FT_LAUNCHER_MODULE, runtime_launcher_args
+from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, read_gave_up
+from trainer.run_dir import RunDir
+from trainer.system_metrics import SystemMetricsSampler, nvml
+from trainer.resilience.nvrx_compat import FT_LAUNCHER_MODULE, quiet_health_checks_without_gpu, runtime_launcher_args
 from trainer.warm_start import WARM_START_ENV, wait_until_serving
 
 LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.run"}
 NODE_STORE_OPTION = "--node-store="
 FORK_SERVER_OPTION = "--fork-server"
-
-
-def _launch_name(proc: psutil.Process) -> str:
-    return f"launch-{proc.pid}-{int(proc.create_time() * 100)}"
+RUN_DIR_OPTION = "--run-dir="
+USAGE = (f"usage: python -m trainer.launcher [{NODE_STORE_OPTION}DIR] [{FORK_SERVER_OPTION}] [{RUN_DIR_OPTION}DIR] "
+         f"{{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
+SYSTEM_METRICS_SECONDS = 10.0
 
 
 def launch_node_store(root: Path) -> Path:
-    """This launch's node-memory folder under root; folders of launches no longer running are removed."""
+    """This launch's node-memory folder under root; folders of launches (or processes) no longer running are
+    removed."""
     root.mkdir(parents=True, exist_ok=True)
-    for folder in root.glob("launch-*"):
-        try:
-            alive = _launch_name(psutil.Process(int(folder.name.split("-")[1]))) == folder.name
-        except (ValueError, IndexError, psutil.NoSuchProcess, psutil.AccessDenied):
-            alive = False
-        if not alive:
-            shutil.rmtree(folder, ignore_errors=True)
-    folder = root / _launch_name(psutil.Process())
+    remove_dead_owners(root)
+    folder = root / owner_name("launch", psutil.Process())
     folder.mkdir()
     return folder
 
@@ -68,30 +76,94 @@ def start_fork_server() -> tuple[subprocess.Popen, Path]:
     return server, folder
 
 
-def main(argv: list[str]) -> None:
-    store_root = argv.pop(0)[len(NODE_STORE_OPTION):] if argv and argv[0].startswith(NODE_STORE_OPTION) else None
-    fork_server = bool(argv) and argv[0] == FORK_SERVER_OPTION and bool(argv.pop(0))
+class GiveUpWatch:
+    """Polls the run folder for the restart budget's give-up of this launch, then stops the launcher the way a
+    SIGTERM does (ft_launcher and torchrun stop their workers and raise); `fired` says why it stopped."""
+
+    def __init__(self, run_dir: Path, generation: int | None, interval_seconds: float = 1.0):
+        self.run_dir = run_dir
+        self.generation = generation
+        self.started = time.time()
+        self.interval_seconds = interval_seconds
+        self.fired: dict | None = None
+
+    def matches(self, record: dict | None) -> bool:
+        if record is None:
+            return False
+        if self.generation is not None:
+            return record.get("generation") == self.generation
+        return record.get("time", 0) >= self.started
+
+    def start(self) -> "GiveUpWatch":
+        threading.Thread(target=self._run, name="give-up-watch", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while self.fired is None:
+            time.sleep(self.interval_seconds)
+            record = read_gave_up(self.run_dir)
+            if self.matches(record):
+                self.fired = record
+                print(f"trainer.launcher: the restart budget gave up; stopping the launch: {record['message']}",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+
+def parse_options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
+    options: dict[str, str | bool] = {}
+    argv = list(argv)
+    while argv and argv[0].startswith("--"):
+        arg = argv.pop(0)
+        if arg == FORK_SERVER_OPTION:
+            options["fork_server"] = True
+        elif arg.startswith(NODE_STORE_OPTION):
+            options["node_store"] = arg[len(NODE_STORE_OPTION):]
+        elif arg.startswith(RUN_DIR_OPTION):
+            options["run_dir"] = arg[len(RUN_DIR_OPTION):]
+        else:
+            sys.exit(f"{USAGE}\nunknown option {arg!r}")
     if not argv or argv[0] not in LAUNCHERS:
-        sys.exit(f"usage: python -m trainer.launcher [{NODE_STORE_OPTION}DIR] [{FORK_SERVER_OPTION}] "
-                 f"{{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
+        sys.exit(USAGE)
+    return options, argv
+
+
+def main(argv: list[str]) -> None:
+    options, argv = parse_options(argv)
     watch_parent()
     forked_children_die_with_this_process()
     store = server = None
-    if store_root is not None:
-        store = launch_node_store(Path(store_root))
+    if options.get("node_store"):
+        store = launch_node_store(Path(options["node_store"]))
         os.environ[NODE_STORE_ENV] = str(store)
-    if fork_server:
+    if options.get("fork_server"):
         server, server_folder = start_fork_server()
     launcher, module = argv[0], LAUNCHERS[argv[0]]
     sys.argv = [module, *runtime_launcher_args(launcher, argv[1:], dict(os.environ))]
+    if launcher == "ft_launcher" and nvml() is None:
+        quiet_health_checks_without_gpu()
+        print("trainer.launcher: no NVIDIA driver on this node: GPU and NIC health checks are off", file=sys.stderr)
+    run_dir = Path(options["run_dir"]) if options.get("run_dir") else None
+    give_up = None
+    metrics = contextlib.nullcontext()
+    if run_dir is not None:
+        generation = os.environ.get(GENERATION_ENV)
+        give_up = GiveUpWatch(run_dir, int(generation) if generation else None).start()
+        node = f"node-{os.environ.get('PET_NODE_RANK', '0')}"
+        metrics = SystemMetricsSampler(RunDir(run_dir).system_of(node), SYSTEM_METRICS_SECONDS)
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        with metrics:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except BaseException:  # ft_launcher's SignalException after the watch's SIGTERM, torchrun's ChildFailedError, ...
+        if give_up is None or not give_up.matches(read_gave_up(run_dir)):
+            raise
     finally:
         if server is not None:
             server.kill()
             shutil.rmtree(server_folder, ignore_errors=True)
         if store is not None:
             shutil.rmtree(store, ignore_errors=True)
+    if give_up is not None and give_up.matches(read_gave_up(run_dir)):
+        sys.exit(CRASH_LOOP_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ temporary name, then a rename), so a reader never sees half a file:
     train.log          everything the launcher and the ranks printed
     events/rank-N.jsonl  checkpoints, faults, launches, resumes, recoveries (trainer.events)
     lease.lock, lease.json  the run folder's writer lease (trainer.lease)
+    gave_up.json       why the restart budget ended the job (trainer.resilience.budget), when it did
+    system/<node>.jsonl  each training node's system metrics (trainer.launcher)
     steps/<step>.json, steps/<step>.error.json, steps/trainjob.json  each pipeline step's result
     mlflow-spool/      MLflow writes not yet delivered; rejected.jsonl, those refused (components.tracking)
     logs/pipeline.log  everything the local runner printed (pipelines.console); logs/ also has the servers' logs
@@ -41,6 +43,8 @@ PLOTS_DIR = "plots"
 LOGS_DIR = "logs"
 PIPELINE_LOG = "pipeline.log"
 REJECTED = "rejected.jsonl"
+GAVE_UP = "gave_up.json"
+SYSTEM_DIR = "system"
 
 
 class RunDir:
@@ -66,6 +70,11 @@ class RunDir:
     logs = property(lambda self: self.path / LOGS_DIR)
     pipeline_log = property(lambda self: self.path / LOGS_DIR / PIPELINE_LOG)
     rejected = property(lambda self: self.path / SPOOL_DIR / REJECTED)
+    gave_up = property(lambda self: self.path / GAVE_UP)
+    system = property(lambda self: self.path / SYSTEM_DIR)
+
+    def system_of(self, node: str) -> Path:
+        return self.system / f"{node}.jsonl"
 
     def events_of(self, rank: int) -> Path:
         return self.events / f"rank-{rank}.jsonl"

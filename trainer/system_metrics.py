@@ -1,15 +1,21 @@
-"""System metrics sampled while a step runs (psutil; NVML GPUs when present), named as MLflow names them.
+"""A training node's system metrics, sampled by its launcher into the run folder (``system/<node>.jsonl``).
 
-    with SystemMetricsSampler(interval_seconds=10) as sampler:
-        run_training()
-    tracker.log_metrics(run, sampler.records)   # {"step": sample index, "time": …, "system/…": value}
+    with SystemMetricsSampler(RunDir(run_dir).system_of("node-0"), interval_seconds=10):
+        run_the_launcher()
+
+Each line: ``{"time": …, "sample": n, "system/cpu_utilization_percentage": …, …}`` — psutil for CPU,
+memory and disk, NVML for each GPU when an NVIDIA driver is present (named as MLflow's own system metrics
+name them). The train step forwards the lines to MLflow (components.forwarder) as ``system/<node>/…``, so
+on EKS MLflow describes the training nodes, not the pipeline pod that waits for them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -17,23 +23,34 @@ import psutil
 log = logging.getLogger(__name__)
 
 
+def nvml():
+    """pynvml, initialised; None (with one line, not a traceback) on a machine without an NVIDIA driver."""
+    try:
+        import pynvml  # optional: machines without NVIDIA drivers have no NVML
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception as err:  # noqa: BLE001 - NVMLError_LibraryNotFound, ImportError, driver errors alike
+        log.info("no NVIDIA driver here (%s): GPU metrics and GPU health checks are off", type(err).__name__)
+        return None
+
+
 class SystemMetricsSampler:
-    def __init__(self, interval_seconds: float = 10.0):
+    """Appends a sample to `path` every interval_seconds on a daemon thread, and one more when stopped."""
+
+    def __init__(self, path: Path, interval_seconds: float = 10.0):
+        self.path = Path(path)
         self.interval_seconds = interval_seconds
-        self.records: list[dict[str, Any]] = []
+        self.samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._nvml = None
 
     def __enter__(self) -> "SystemMetricsSampler":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.samples = sum(1 for _ in self.path.open()) if self.path.is_file() else 0  # a restarted node appends
         psutil.cpu_percent(None)  # the first call only primes the counter
-        try:
-            import pynvml  # optional: machines without NVIDIA drivers have no NVML
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-        except Exception:  # noqa: BLE001 - no NVIDIA driver: CPU metrics only
-            self._nvml = None
+        self._nvml = nvml()
         self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
         self._thread.start()
         return self
@@ -46,7 +63,7 @@ class SystemMetricsSampler:
         memory = psutil.virtual_memory()
         disk = psutil.disk_io_counters()
         record: dict[str, Any] = {
-            "step": len(self.records), "time": time.time(),
+            "time": time.time(), "sample": self.samples,
             "system/cpu_utilization_percentage": psutil.cpu_percent(None),
             "system/system_memory_usage_megabytes": (memory.total - memory.available) / 2**20,
             "system/system_memory_usage_percentage": memory.percent,
@@ -55,23 +72,25 @@ class SystemMetricsSampler:
             record["system/disk_read_megabytes"] = disk.read_bytes / 2**20
             record["system/disk_write_megabytes"] = disk.write_bytes / 2**20
         if self._nvml is not None:
-            nvml = self._nvml
-            for index in range(nvml.nvmlDeviceGetCount()):
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                record[f"system/gpu_{index}_utilization_percentage"] = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            gpu = self._nvml
+            for index in range(gpu.nvmlDeviceGetCount()):
+                handle = gpu.nvmlDeviceGetHandleByIndex(index)
+                record[f"system/gpu_{index}_utilization_percentage"] = gpu.nvmlDeviceGetUtilizationRates(handle).gpu
+                info = gpu.nvmlDeviceGetMemoryInfo(handle)
                 record[f"system/gpu_{index}_memory_usage_megabytes"] = info.used / 2**20
-                record[f"system/gpu_{index}_power_usage_watts"] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000
-        self.records.append(record)
+                record[f"system/gpu_{index}_power_usage_watts"] = gpu.nvmlDeviceGetPowerUsage(handle) / 1000
+        with self.path.open("a") as handle:  # whole lines; a reader skips a torn last one
+            handle.write(json.dumps(record) + "\n")
+        self.samples += 1
         return record
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.sample()  # at least one sample, even for a short step
+        self.sample()  # at least one sample, even for a short run
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - shutting down a driver library that is going away anyway
                 pass

@@ -39,11 +39,13 @@ from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
 from trainer.model import build_model_on_meta, copy_initial_weights, load_or_build_model, materialize_on, shard_model
 from trainer.optimizer import build_optimizer, initialize_state
 from trainer.planning.auto import AutoInterval
+from trainer.resilience.budget import RestartBudget, current_layer
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.run_dir import RunDir, write_json
 from trainer.telemetry import Telemetry
 from trainer.tokenizer import load_tokenizer
+from trainer.worker_clock import worker_started_at
 
 log = logging.getLogger("trainer")
 
@@ -70,6 +72,14 @@ class Trainer:
         self.init_distributed()
         self._own_lease: RunLease | None = None
         self.fence = self.join_lease()
+        self.run_dir = RunDir(cfg.run_dir)
+        self.events = EventLog(cfg.run_dir, self.rank, fence=self.fence)
+        self.restart_budget = RestartBudget(
+            cfg.run_dir, rank=self.rank, events=self.events, limit=cfg.resilience.max_restarts_without_progress,
+            in_process_limit=cfg.resilience.in_process_max_restarts,
+            layer=current_layer(in_process.iteration if in_process else 0), generation=self.fence.generation,
+            process_started_at=worker_started_at(), broadcast=self._from_rank_0)
+        self.restart_budget.start()  # a crash loop ends here, before the model is built again
         torch.manual_seed(cfg.run.seed)
         timer.done("process_group")
 
@@ -100,8 +110,6 @@ class Trainer:
         self.batches = TokenBatches.open(self.data_dir, "train", cfg.training.seq_len, cfg.training.batch_size,
                                          cfg.run.seed)
         timer.done("optimizer_and_data")
-        self.run_dir = RunDir(cfg.run_dir)
-        self.events = EventLog(cfg.run_dir, self.rank, fence=self.fence)
         self.telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, self.rank)
         ckpt = cfg.checkpoint
         memory = (MemoryTier(ckpt, cfg.run.run_id, self.rank, self.world_size,
@@ -179,6 +187,14 @@ class Trainer:
         fence.check()
         return fence
 
+    def _from_rank_0(self, value: Any) -> Any:
+        """Collective: rank 0's value on every rank."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def _a_resume_is_likely(self) -> bool:
         """Collective: whether any rank sees a copy to resume from (node memory, an FSx checkpoint, S3). A
         cheap look (listings, no verification): resume() falls back to initialising when none restores."""
@@ -222,6 +238,7 @@ class Trainer:
         load_started, started = time.time(), time.perf_counter()
         state = self.state_dict()
         step, source = self.checkpointer.load_latest(state)
+        self.restart_budget.check(step if source != "none" else 0)  # did the recoveries before this one progress?
         if source != "none":
             self.load_state_dict(state)
             log.info("resuming at step %d (state from %s)", self.step, source)
@@ -287,8 +304,7 @@ class Trainer:
                 self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)
                 self.resilience.after_step(self.step)
         tail_started = time.perf_counter()
-        self.checkpointer.save(self.step, self.state_dict, last=True)  # no-op unless nothing was saved
-        self.checkpointer.wait()
+        self.checkpointer.save_final(self.step, self.state_dict)
         result = {"final_checkpoint_wait_seconds": time.perf_counter() - tail_started,
                   "steps": self.step, "steps_this_launch": self.step - started_at_step,
                   "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,

@@ -5,6 +5,7 @@ timeout, a cancel or a relaunch. On EKS the same step is the TrainJob launcher (
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -24,7 +25,8 @@ from components.train.report import training_report
 from trainer.config import Config
 from trainer.launch_args import initial_heartbeat_timeout, trainer_command
 from trainer.lease import GENERATION_ENV, RunLease
-from trainer.resilience.hooks import JOB_ATTEMPT_ENV, LAUNCHER_ENV
+from trainer.resilience.budget import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV,
+                                       attempt_history, read_gave_up)
 from trainer.run_dir import RunDir, read_json
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ class TrainingError(RuntimeError):
     """Training exited with an error or ran out of time; the message holds the log's tail and its path."""
 
 
+class CrashLoop(TrainingError):
+    """The restart budget gave up: recoveries stopped making progress. Never relaunched; the message says where."""
+
+
 def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
     """ft_launcher (in-job restarts, hang detection) or plain torchrun, on this machine, through
     trainer.launcher so that nothing it starts outlives it."""
@@ -50,8 +56,12 @@ def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
 
 
 def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
-    """Launch training and relaunch the whole job (up to resilience.job_restarts times) when the launcher
-    gives up; output streams to <run dir>/train.log. Returns result.json plus wall time and goodput.
+    """Launch training and relaunch the whole job when its launcher fails; output streams to
+    <run dir>/train.log. Returns result.json plus wall time and goodput.
+
+    Relaunches are bounded by progress, as every layer is (trainer.resilience.budget): the trainers give up
+    on a crash loop with exit code 42, which is never relaunched; a launch that fails before any trainer
+    started counts as a recovery without progress here. resilience.job_restarts >= 0 adds a plain cap.
 
     The run folder's lease is held throughout (a second launch on the same folder is refused with
     RunFolderBusy), and every attempt runs under a new lease generation, so trainers of an earlier attempt
@@ -60,17 +70,27 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     run_dir = RunDir(cfg.run_dir)
     run_dir.path.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    r = cfg.resilience
     with RunLease(run_dir.path) as lease, cancel_on_sigterm():
         config_path = run_dir.write_config(cfg.to_yaml())
-        for attempt in range(cfg.resilience.job_restarts + 1):
+        empty_launches = 0  # launches in a row that started no training attempt at all
+        for attempt in itertools.count():
+            attempts_before = len(attempt_history(run_dir.path, started))
             try:
-                _launch_once(cfg, config_path, data_dir, attempt, lease.new_generation())
+                _launch_once(cfg, config_path, data_dir, attempt, lease.new_generation(), budget_since=started)
                 break
+            except CrashLoop:
+                raise
             except TrainingError as err:
-                if attempt == cfg.resilience.job_restarts:
+                empty_launches = empty_launches + 1 if len(attempt_history(run_dir.path, started)) == attempts_before else 0
+                if 0 <= r.job_restarts <= attempt:
                     raise
-                log.warning("training job failed (attempt %d of %d), relaunching: %s", attempt + 1,
-                            cfg.resilience.job_restarts + 1, str(err).splitlines()[0])
+                if empty_launches >= r.max_restarts_without_progress:
+                    raise CrashLoop(f"crash loop: {empty_launches} launches in a row failed before any trainer started "
+                                    f"(resilience.max_restarts_without_progress={r.max_restarts_without_progress}); "
+                                    f"the job relaunch layer gives up. Last failure: {err}") from err
+                log.warning("training job failed (attempt %d), relaunching: %s", attempt + 1,
+                            str(err).splitlines()[0])
     result = read_json(run_dir.result)
     if result is None:
         raise TrainingError(f"training finished but wrote no {run_dir.result}; log: {run_dir.train_log}")
@@ -135,7 +155,8 @@ def stop_job(proc: subprocess.Popen, token: str, grace_seconds: float = 10.0) ->
                     f"; {len(alive)} did not exit" if alive else "")
 
 
-def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, generation: int) -> None:
+def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, generation: int,
+                 budget_since: float) -> None:
     log_path = RunDir(cfg.run_dir).train_log
     command = launch_command(cfg, config_path, data_dir)
     if cfg.resilience.launcher == "ft_launcher":
@@ -144,6 +165,7 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
     token = uuid.uuid4().hex
     env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: cfg.resilience.launcher, JOB_ATTEMPT_ENV: str(attempt),
            JOB_TOKEN_ENV: token, RUN_DIR_ENV: str(cfg.run_dir), GENERATION_ENV: str(generation),
+           BUDGET_SINCE_ENV: repr(budget_since),
            # the launcher itself imports pynvml through torch.cuda; its deprecation notice is noise.
            "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
     tail: deque[str] = deque(maxlen=40)
@@ -173,6 +195,9 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
         finally:
             stop_job(proc, token)  # after an exit, a cancel or a timeout: nothing of this launch outlives it
             reader.join(timeout=10)
+    gave_up = read_gave_up(cfg.run_dir)
+    if returncode == CRASH_LOOP_EXIT_CODE and gave_up is not None and gave_up.get("generation") == generation:
+        raise CrashLoop(f"{gave_up['message']} (log: {log_path})")
     if returncode != 0:
         causes = "\n".join(dict.fromkeys(errors)) or "".join(tail)
         raise TrainingError(f"training exited with code {returncode}; log: {log_path}\n{causes}")

@@ -36,6 +36,7 @@ from components.train.report import training_report
 from trainer.config import Config
 from trainer.launch_args import initial_heartbeat_timeout, node_memory_gib, trainer_command
 from trainer.lease import GENERATION_ENV, RunLease
+from trainer.resilience.budget import BUDGET_SINCE_ENV, read_gave_up
 from trainer.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def node_command(cfg: Config, data_dir: str, job_name: str) -> list[str]:
             f"--training.prometheus_port={cfg.kubernetes.prometheus_port}"]
 
 
-def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int = 1) -> dict[str, Any]:
+def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int = 1,
+                   budget_since: float = 0.0) -> dict[str, Any]:
     k = cfg.kubernetes
     resources: dict[str, Any] = {}
     if k.gpus_per_node:
@@ -116,6 +118,9 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
                 "resourcesPerNode": {"limits": dict(resources), "requests": dict(resources)} if resources else {},
                 "env": [{"name": "RESILIENT_TRAIN_LAUNCHER", "value": cfg.resilience.launcher},
                         {"name": GENERATION_ENV, "value": str(generation)},
+                        # The restart budget counts this job's attempts (its gang restarts included), not an
+                        # earlier job's of the same run folder.
+                        {"name": BUDGET_SINCE_ENV, "value": repr(budget_since)},
                         {"name": "NCCL_SOCKET_IFNAME", "value": "^lo"},
                         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}],
             },
@@ -179,12 +184,13 @@ class TrainJobLauncher:
                     raise InfrastructureError(f"reading TrainJob {namespace}/{record['name']}: {err.reason}") from err
         attempt = (record or {}).get("attempt", 0)
         generation = lease.new_generation() if lease is not None else 1
-        job = build_trainjob(self.cfg, data_dir, attempt, generation)
+        submitted_at = time.time()
+        job = build_trainjob(self.cfg, data_dir, attempt, generation, budget_since=submitted_at)
         name = job["metadata"]["name"]
         timeout, why = initial_heartbeat_timeout(self.cfg, Path(data_dir))
         log.info("initial heartbeat timeout %.0f s: %s", timeout, why)
         self._write_record({"name": name, "namespace": namespace, "attempt": attempt, "state": "Submitting",
-                            "generation": generation, "submitted_at": time.time()})
+                            "generation": generation, "submitted_at": submitted_at})
         try:
             self.api.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job, field_validation="Strict")
             log.info("created TrainJob %s/%s (%d nodes x %d processes)", namespace, name, self.cfg.training.num_nodes,
@@ -267,7 +273,10 @@ class TrainJobLauncher:
                 self.delete(name, "the pipeline step was cancelled")
                 raise
         if job_state(job) == "Failed":
-            raise TrainJobFailed(f"TrainJob {self.cfg.kubernetes.namespace}/{name} failed: {_failure_message(job)} "
+            gave_up = read_gave_up(self.cfg.run_dir)
+            why = gave_up["message"] if gave_up and gave_up.get("time", 0) >= (self._record() or {}).get(
+                "submitted_at", 0) else _failure_message(job)
+            raise TrainJobFailed(f"TrainJob {self.cfg.kubernetes.namespace}/{name} failed: {why} "
                                  f"(logs: kubectl logs -n {self.cfg.kubernetes.namespace} "
                                  f"-l jobset.sigs.k8s.io/jobset-name={name})")
         result = read_json(self.run_dir.result)

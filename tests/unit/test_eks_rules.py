@@ -229,8 +229,8 @@ def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
     command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
     assert f"--ft-initial-rank-heartbeat-timeout={seconds}" in command
     assert any(a.startswith("--rdzv-conf=join_timeout=") for a in command)
-    assert command[:6] == ["python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}",
-                           "--fork-server", "ft_launcher"]
+    assert command[:7] == ["python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}",
+                           "--fork-server", f"--run-dir={cfg.run_dir}", "ft_launcher"]
 
 
 def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limit_covers_it(cluster):
@@ -261,37 +261,103 @@ def test_node_rank_0_hosts_the_rendezvous_explicitly_and_unknown_flags_are_dropp
     from trainer.resilience import nvrx_compat
 
     args = ["--max-restarts=3", "--ft-node-health-check-endpoint=/var/run/nvhcd.sock", "--rdzv-backend=c10d",
-            "--rdzv-conf=join_timeout=600", "-m", "trainer"]
+            "--ft-max-no-progress-cycles=0", "--rdzv-conf=join_timeout=600", "-m", "trainer"]
     monkeypatch.setattr(nvrx_compat, "nvrx_version", lambda: "0.4.1")
     old = nvrx_compat.runtime_launcher_args("ft_launcher", args, {"PET_NODE_RANK": "0"})
     assert "--ft-node-health-check-endpoint=/var/run/nvhcd.sock" not in old
+    assert "--ft-max-no-progress-cycles=0" not in old  # 0.4.1's argparse would refuse it
     assert "--rdzv-conf=join_timeout=600,is_host=true" in old
+    monkeypatch.setattr(nvrx_compat, "nvrx_version", lambda: "0.5.0")
+    middle = nvrx_compat.runtime_launcher_args("ft_launcher", args, {"PET_NODE_RANK": "3"})
+    assert "--ft-node-health-check-endpoint=/var/run/nvhcd.sock" in middle
+    assert "--ft-max-no-progress-cycles=0" not in middle
     monkeypatch.setattr(nvrx_compat, "nvrx_version", lambda: "0.7.0")
     new = nvrx_compat.runtime_launcher_args("ft_launcher", args, {"PET_NODE_RANK": "3"})
     assert "--ft-node-health-check-endpoint=/var/run/nvhcd.sock" in new
+    # >= 0.6: its own no-progress tracker off (v0.6.0 launcher.py: "--ft-max-no-progress-cycles ... Set to 0 or
+    # -1 to disable"); the one rule is trainer.resilience.budget's.
+    assert "--ft-max-no-progress-cycles=0" in new
     assert "--rdzv-conf=join_timeout=600,is_host=false" in new
     assert nvrx_compat.runtime_launcher_args("ft_launcher", ["--standalone"], {}) == ["--standalone"]
 
 
-# The message the Job controller writes when a podFailurePolicy rule matches a pod condition, and the
-# reason: kubernetes pkg/controller/job/pod_failure_policy.go ("Pod %s/%s has condition %v matching %v rule
-# at index %d") and batch/v1 JobReasonPodFailurePolicy ("PodFailurePolicy").
-JOB_FAILURE_MESSAGE = "Pod resilient-train/rt-x-node-0-3-abcde has condition DisruptionTarget matching FailJob rule at index 0"
-JOB_FAILURE_REASON = "PodFailurePolicy"
+# The Kubernetes Job controller's podFailurePolicy, as kubernetes pkg/controller/job/pod_failure_policy.go
+# (matchPodFailurePolicy) applies it: rules in order, the first match acts; onExitCodes with operator In matches
+# a container (the named one, if containerName is set) that terminated with a listed non-zero code;
+# onPodConditions matches a pod condition of that type with status True. FailJob fails the Job with reason
+# PodFailurePolicy (batch/v1 JobReasonPodFailurePolicy) and the message
+#   "Container %s for pod %s/%s failed with exit code %v matching %v rule at index %d"  (exit codes)
+#   "Pod %s/%s has condition %v matching %v rule at index %d"                          (conditions).
+# A failure no rule matches counts against backoffLimit; at 0 the Job fails with reason BackoffLimitExceeded.
+def job_controller(job_spec, *, exit_code=None, condition=None, pod="resilient-train/rt-x-node-0-3-abcde"):
+    for index, rule in enumerate(job_spec["podFailurePolicy"]["rules"]):
+        codes = rule.get("onExitCodes")
+        if codes and exit_code and codes.get("containerName", "node") == "node" and codes["operator"] == "In" \
+                and exit_code in codes["values"]:
+            return "PodFailurePolicy", (f"Container node for pod {pod} failed with exit code {exit_code} matching "
+                                        f"{rule['action']} rule at index {index}")
+        if condition and any(c["type"] == condition for c in rule.get("onPodConditions", [])):
+            return "PodFailurePolicy", f"Pod {pod} has condition {condition} matching {rule['action']} rule at index {index}"
+    assert job_spec["backoffLimit"] == 0
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
 
 
-def test_preemption_and_eviction_do_not_spend_the_jobsets_restarts(cluster):
+# JobSet's failure policy (the JobSet API, FailurePolicy.rules, in the Trainer CRD's descriptions; jobset
+# pkg/controllers/failure_policy.go): rules in order, only the first matching rule acts; a rule matches when
+# one of its onJobFailureReasons equals the reason (empty: any) and one of its onJobFailureMessagePatterns
+# matches the message (Go regexp.MatchString: unanchored; empty: any). No match: RestartJobSet, which counts
+# against maxRestarts.
+def jobset_controller(policy, reason, message):
+    for rule in policy["rules"]:
+        reasons, patterns = rule.get("onJobFailureReasons", []), rule.get("onJobFailureMessagePatterns", [])
+        if (not reasons or reason in reasons) and (not patterns or any(re.search(p, message) for p in patterns)):
+            return rule["action"]
+    return "RestartJobSet"
+
+
+def test_a_crash_loop_fails_the_jobset_and_every_other_failure_restarts_it(cluster):
+    """The restart budget (trainer.resilience.budget) ends a crash loop with exit code 42 in every pod: the
+    Job and JobSet controllers' rules turn exactly that into a failed JobSet; anything else restarts the gang,
+    and a preemption or eviction does not spend maxRestarts."""
+    from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE
+
     _, objects, _ = cluster
     runtime, _ = runtime_pod(objects)
     policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
     assert policy["restartStrategy"] == "BlockingRecreate"  # no two generations on FSx at once
-    [rule] = policy["rules"]
-    assert rule["action"] == "RestartJobSetAndIgnoreMaxRestarts"
-    assert JOB_FAILURE_REASON in rule["onJobFailureReasons"]
-    assert any(re.fullmatch(pattern, JOB_FAILURE_MESSAGE) for pattern in rule["onJobFailureMessagePatterns"])
     job_spec = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
-    assert {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]} in job_spec["podFailurePolicy"]["rules"]
     assert job_spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
+
+    def outcome(**pod):
+        return jobset_controller(policy, *job_controller(job_spec, **pod))
+
+    assert outcome(exit_code=CRASH_LOOP_EXIT_CODE) == "FailJobSet"
+    for other in (1, 2, 3, 137, 139, 143):  # a launcher error, a bad config, SIGKILL/OOM, SIGSEGV, SIGTERM
+        assert outcome(exit_code=other) == "RestartJobSet", other
+    assert outcome(condition="DisruptionTarget") == "RestartJobSetAndIgnoreMaxRestarts"
+    # Rule names the JobSet API accepts (its validation pattern, in the CRD's description of `name`).
+    assert all(re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"]) for rule in policy["rules"])
+    # In a value list for operator In, 0 is refused and values are sorted and unique (the Job API).
+    for rule in job_spec["podFailurePolicy"]["rules"]:
+        values = rule.get("onExitCodes", {}).get("values", [1])
+        assert 0 not in values and values == sorted(set(values))
+
+
+def test_the_jobsets_restart_budget_covers_the_pod_faults_the_planner_expects(cluster):
+    """maxRestarts only backstops failures outside the training (the rule ends crash loops): it must not end a
+    healthy 30-day job of the overlay's size that loses nodes at the planner's rate."""
+    from trainer.planning.model import Costs
+    from trainer.planning.survival import pod_restart_budget
+
+    _, objects, cfg = cluster
+    runtime, _ = runtime_pod(objects)
+    max_restarts = runtime["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"]
+    costs = Costs(nodes=cfg.training.num_nodes, node_mtbf_hours=cfg.checkpoint.auto_node_mtbf_hours, step_seconds=4.0,
+                  checkpoint_stall_seconds=0.5)
+    assert max_restarts >= pod_restart_budget(costs, days=30)
+    # Each node runs the launcher with the run folder: what makes a give-up end the pod with exit code 42.
+    command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
+    assert f"--run-dir={cfg.run_dir}" in command and "--max-restarts=1000000" in command
 
 
 # -- 10. Kueue, caching, one config per overlay ------------------------------------------------------------

@@ -62,6 +62,14 @@ class MlflowConfig:
     """Artifact root for a newly created experiment; empty means <run.work_dir>/mlartifacts
     when the store is local, the server's default otherwise."""
 
+    forward_interval_seconds: float = 10.0
+    """While training runs, the train step forwards what the run folder accumulated (per-step metrics,
+    checkpoint records, faults and recoveries, interval choices, the nodes' system metrics) into the MLflow
+    train run every this many seconds (components.forwarder): MLflow is at most about this far behind."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.forward_interval_seconds <= 3600, "mlflow.forward_interval_seconds", "must be in (0, 3600]")
+
 
 @dataclass
 class LocalConfig:

@@ -334,8 +334,10 @@ class ResilienceConfig:
     """Layer 1: NVRx in-process restart (inprocess.Wrapper) — a Python exception or hang is recovered without
     ending the processes: the process group is rebuilt and state reloaded. Process deaths go to layer 2."""
 
-    in_process_max_restarts: int = 3
-    """In-process restarts per launch before a fault escalates to the launcher (layer 2)."""
+    in_process_max_restarts: int = 2
+    """In-process restarts in a row that make no progress (see max_restarts_without_progress) before a fault
+    escalates to the launcher (layer 2), whose process restart may clear what an in-process one cannot.
+    In-process restarts after which training progressed are not counted."""
 
     collective_timeout: float = 5.0
     """gloo collective timeout (seconds) under in-process restart: on gloo only this timeout releases a
@@ -348,8 +350,18 @@ class ResilienceConfig:
     """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
     while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
 
-    max_restarts: int = 3
-    """In-job restarts before the launcher gives up (then the job-level relaunch takes over)."""
+    max_restarts_without_progress: int = 3
+    """The restart budget, for every layer (in-process, ft_launcher, the job relaunch, the TrainJob on EKS):
+    give up after this many recoveries in a row that did not advance the state a recovery reads (each
+    resumed from the same step as the attempt before it, or died before resuming) — a crash loop. A recovery
+    after which training progressed costs nothing, so a long job survives any number of faults that it
+    recovers from. Giving up exits with code 42 (trainer.resilience.budget.CRASH_LOOP_EXIT_CODE), which no
+    layer restarts, and writes the reason to <run_dir>/gave_up.json."""
+
+    max_restarts: int = -1
+    """ft_launcher's own restart count per launch: -1 (default) leaves in-job restarts to the progress rule
+    above; N >= 0 also caps them at N per launch (0 turns in-job restart off, as benchmarks comparing the
+    layers do), after which the job relaunch takes over."""
 
     warm_start: bool = True
     """Start every worker, and every restarted one, as a fork of a node-local server that has already imported
@@ -375,12 +387,15 @@ class ResilienceConfig:
     """Check the GPU through NVML (ECC, retired/remapped memory, critical XIDs) every this many steps;
     0 turns it off. A no-op on machines without NVIDIA drivers."""
 
-    job_restarts: int = 1
-    """Relaunches of the whole training job after the launcher gives up (locally; a TrainJob restart on EKS)."""
+    job_restarts: int = -1
+    """Relaunches of the whole local training job after its launcher failed: -1 (default) relaunches while the
+    progress rule allows (and while relaunches start training at all); N >= 0 caps them at N (0: none).
+    On EKS the JobSet's failure policy restarts the TrainJob's pods (see docs/restart-budget.md)."""
 
     def __post_init__(self) -> None:
-        require(self.max_restarts >= 0, "resilience.max_restarts", "must be >= 0")
-        require(self.job_restarts >= 0, "resilience.job_restarts", "must be >= 0")
+        require(self.max_restarts_without_progress >= 1, "resilience.max_restarts_without_progress", "must be >= 1")
+        require(self.max_restarts >= -1, "resilience.max_restarts", "must be >= 0, or -1 for no count of its own")
+        require(self.job_restarts >= -1, "resilience.job_restarts", "must be >= 0, or -1 for no count of its own")
         require(self.initial_heartbeat_timeout >= 0, "resilience.initial_heartbeat_timeout",
                  "must be >= 0 (0 derives it from the checkpoint size)")
         require(self.rendezvous_timeout > 0, "resilience.rendezvous_timeout", "must be > 0")

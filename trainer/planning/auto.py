@@ -29,7 +29,7 @@ def job_configuration(cfg: Config) -> Configuration:
     ckpt, resilience = cfg.checkpoint, cfg.resilience
     fsx = "fsx" if ckpt.mode == "async" else "fsx_sync"
     memory = ckpt.memory_interval_steps > 0
-    in_job = resilience.launcher == "ft_launcher" and resilience.max_restarts > 0
+    in_job = resilience.launcher == "ft_launcher" and resilience.max_restarts != 0  # -1: no count of its own
     process = ("ft_launcher", "memory" if memory else fsx) if in_job else ("job_relaunch", fsx)
     exception = ("in_process", "memory" if memory else fsx) if resilience.in_process else process
     node = ("replacement", "peer") if memory and ckpt.peer_replica and in_job else ("job_relaunch", fsx)

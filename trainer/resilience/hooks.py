@@ -21,6 +21,7 @@ from typing import Any
 from trainer.config import Config
 from trainer.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
+from trainer.resilience.budget import JOB_ATTEMPT_ENV, LAUNCHER_ENV, restart_layer
 from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.run_dir import RunDir, read_jsonl
@@ -28,8 +29,6 @@ from trainer.worker_clock import worker_started_at
 
 log = logging.getLogger(__name__)
 
-LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
-JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
 
 
 class Heartbeat:
@@ -73,6 +72,10 @@ class ResilienceHooks:
             types = [t.strip() for t in cfg.faults.random_types.split(",") if t.strip()]
             faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types, world_size,
                                       cfg.faults.seed)
+        late = [f.key for f in faults if f.step is not None and f.step > cfg.training.num_steps]
+        if late and rank == 0:
+            log.warning("faults scheduled after the last step (%d) will not fire: %s", cfg.training.num_steps,
+                        ", ".join(late))
         self.injector = FaultInjector(faults, rank, events, fired_fault_keys(cfg.run_dir),
                                       run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds,
                                       node_memory=node_memory)
@@ -99,6 +102,7 @@ class ResilienceHooks:
                     source: str = "disk") -> None:
         self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
                         "load_seconds": load_seconds, "source": source}
+        self.injector.before_step((reloaded_step or 0) + 1)
 
     @property
     def is_restart(self) -> bool:
@@ -107,11 +111,9 @@ class ResilienceHooks:
     @property
     def mechanism(self) -> tuple[str, int]:
         """The innermost layer that restarted this attempt, and its iteration."""
-        if self.in_process_iteration > 0:
-            return "in_process", self.in_process_iteration
-        if self.restart_iteration > 0:
-            return self.launcher, self.restart_iteration
-        return "job_restart", self.job_attempt
+        layer = restart_layer(self.in_process_iteration, self.restart_iteration, self.job_attempt, self.launcher)
+        iteration = {"in_process": self.in_process_iteration, "job_restart": self.job_attempt}
+        return ("job_restart" if layer == "first_start" else layer), iteration.get(layer, self.restart_iteration)
 
     def after_step(self, step: int) -> None:
         """The loop's one call per step, after the checkpoint manager's: heartbeat, GPU health, the recovery
@@ -124,6 +126,7 @@ class ResilienceHooks:
             if self.rank == 0 and self.is_restart:
                 self._record_recovery(step)
         self.injector.maybe_inject(step)
+        self.injector.before_step(step + 1)
 
     def _lost_steps(self, reloaded_step: int) -> int | None:
         """Steps completed before the fault that must be trained again: the last step the failed attempt
@@ -135,15 +138,20 @@ class ResilienceHooks:
 
     def _record_recovery(self, step: int) -> None:
         now = time.time()
-        recovered = {e.get("fault_key") for e in read_events(self.cfg.run_dir, "recovery")}
+        # Faults already accounted for: named by an earlier recovery, or absorbed without a restart.
+        handled = {key for e in read_events(self.cfg.run_dir, "recovery")
+                   for key in (e.get("fault_keys") or [e.get("fault_key")])}
+        handled |= {e.get("fault_key") for e in read_events(self.cfg.run_dir)
+                    if e["event"] in ("fault_absorbed", "checkpoint_failed")}
         faults = [e for e in read_events(self.cfg.run_dir, "fault")
-                  if e["key"] not in recovered and e["time"] < self.process_started_at]
+                  if e["key"] not in handled and e["time"] < self.process_started_at]
         fault = faults[-1] if faults else None
         resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0, "source": "none"}
         fault_time = fault["time"] if fault else None
         mechanism, iteration = self.mechanism
         record = {
             "fault_key": fault["key"] if fault else None,
+            "fault_keys": [f["key"] for f in faults],  # every fault this recovery answers (one, unless they coincided)
             "fault_type": fault["fault_type"] if fault else "unknown",
             "fault_rank": fault["rank"] if fault else None,
             "fault_step": fault["step"] if fault else None,

@@ -6,7 +6,8 @@ MASTER_PORT+1 under a per-iteration prefix (the Wrapper's own store is on MASTER
 function with an ``InProcessAttempt`` — iteration, progress ping, store port — and continues; the restarted
 Trainer resumes from the node-memory tier, which outlives the iterations (trainer.checkpoint.memory). Process deaths
 end the wrapped call's processes and are ft_launcher's business (layer 2); so is a fault that outlasts
-``resilience.in_process_max_restarts``.
+``resilience.in_process_max_restarts`` in-process restarts in a row without progress (trainer.resilience.budget
+decides, at the start of each iteration's Trainer, and ends the processes).
 """
 
 import logging
@@ -39,7 +40,7 @@ def run_with_in_process_restart(cfg: Config, train: Callable[[InProcessAttempt],
     master_port = int(os.environ["MASTER_PORT"])
     wrapper = nvrx_compat.in_process_wrapper(
         store_port=master_port + 2, soft_timeout=cfg.resilience.soft_timeout,
-        max_restarts=cfg.resilience.in_process_max_restarts, on_cuda=torch.cuda.is_available()
+        on_cuda=torch.cuda.is_available()
         and cfg.training.backend != "gloo")
 
     @wrapper

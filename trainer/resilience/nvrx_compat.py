@@ -79,6 +79,13 @@ FT_LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
 
 
 HEALTH_CHECK_FLAG = "--ft-node-health-check-endpoint"  # NVRx >= 0.5
+# NVRx >= 0.6 stops restarting after --ft-max-no-progress-cycles cycles that did not advance an iteration it
+# reads from a file (progress_tracker.py): off, so that one rule (trainer.resilience.budget) decides at every
+# layer. 0.4.1 has no such tracker and no such flag.
+NO_PROGRESS_FLAG = "--ft-max-no-progress-cycles"
+# Flags only newer versions know, with the first version that does: dropped on older ones where the launcher runs.
+NEWER_FLAGS = {HEALTH_CHECK_FLAG: ((0, 5), "running without the node health check"),
+               NO_PROGRESS_FLAG: ((0, 6), "this version has no progress tracker of its own to turn off")}
 
 
 WORKLOAD_CHECK_INTERVAL_SECONDS = 1.0
@@ -93,7 +100,8 @@ def ft_launcher_flags(initial_heartbeat_timeout: float, heartbeat_timeout: float
              f"--ft-rank-heartbeat-timeout={heartbeat_timeout}",
              # The rank monitors look for a missed heartbeat every this many seconds (NVRx default 5 s, added to
              # every hang's detection); 1 s costs a timer per rank.
-             f"--ft-workload-check-interval={WORKLOAD_CHECK_INTERVAL_SECONDS}"]
+             f"--ft-workload-check-interval={WORKLOAD_CHECK_INTERVAL_SECONDS}",
+             f"{NO_PROGRESS_FLAG}=0"]
     if node_health_check_endpoint:
         flags.append(f"{HEALTH_CHECK_FLAG}={node_health_check_endpoint}")
     return flags
@@ -112,12 +120,14 @@ def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str
     know are dropped with a warning, and on a TrainJob node the c10d rendezvous is told explicitly whether this
     node hosts the store (node rank 0) instead of guessing it from host names that DNS may not serve yet."""
     args = list(args)
-    if launcher == "ft_launcher" and _version_tuple(nvrx_version()) < (0, 5):
-        kept = [a for a in args if not a.startswith(HEALTH_CHECK_FLAG)]
-        if len(kept) != len(args):
-            logging.getLogger(__name__).warning("NVRx %s has no %s: running without the node health check",
-                                                nvrx_version(), HEALTH_CHECK_FLAG)
-        args = kept
+    if launcher == "ft_launcher":
+        installed = _version_tuple(nvrx_version())
+        for flag, (since, consequence) in NEWER_FLAGS.items():
+            kept = [a for a in args if not a.startswith(flag)]
+            if len(kept) != len(args) and installed < since:
+                level = logging.WARNING if flag == HEALTH_CHECK_FLAG else logging.INFO  # one the user asked for
+                logging.getLogger(__name__).log(level, "NVRx %s has no %s: %s", nvrx_version(), flag, consequence)
+                args = kept
     node_rank = environ.get("PET_NODE_RANK")
     if node_rank is not None and "--rdzv-backend=c10d" in args:
         is_host = f"is_host={'true' if node_rank == '0' else 'false'}"
@@ -128,6 +138,16 @@ def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str
         else:
             args.append(f"--rdzv-conf={is_host}")
     return args
+
+
+# NVRx's GPU/NIC health checks (ft_launcher and its rank monitors) log an NVML traceback per rank and launch
+# where no NVIDIA driver exists; the same module in 0.4.1 and >= 0.6.
+HEALTH_CHECK_LOGGER = "nvidia_resiliency_ext.shared_utils.health_check"
+
+
+def quiet_health_checks_without_gpu() -> None:
+    """On a machine without NVML: one line instead of NVRx's tracebacks (they say nothing a CPU run needs)."""
+    logging.getLogger(HEALTH_CHECK_LOGGER).setLevel(logging.CRITICAL)
 
 
 def under_ft_launcher() -> bool:
@@ -143,7 +163,7 @@ def rank_monitor_client():
 # -- in-process restart --------------------------------------------------------------------------------
 
 
-def in_process_wrapper(*, store_port: int, soft_timeout: float, max_restarts: int, on_cuda: bool):
+def in_process_wrapper(*, store_port: int, soft_timeout: float, on_cuda: bool):
     """inprocess.Wrapper configured for this project, on CPU/gloo as on CUDA/NCCL.
 
     - Abort: NVRx's AbortTorchDistributed aborts NCCL only (on a CPU build its error is swallowed, then it
@@ -159,8 +179,8 @@ def in_process_wrapper(*, store_port: int, soft_timeout: float, max_restarts: in
         store_kwargs={"port": store_port},
         abort=inprocess.abort.AbortTorchDistributed(),
         health_check=inprocess.health_check.CudaHealthCheck() if on_cuda else None,
-        # The first call is iteration 0: N restarts need N + 1 iterations.
-        initialize=inprocess.initialize.RetryController(max_iterations=max_restarts + 1),
+        # No count of iterations (RetryController): restarts after which training progressed are free; the
+        # restart budget (trainer.resilience.budget) ends a run of restarts without progress.
         soft_timeout=soft_timeout * seconds,
         hard_timeout=(soft_timeout + 15) * seconds,
         heartbeat_timeout=(soft_timeout + 10) * seconds,

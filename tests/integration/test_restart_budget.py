@@ -1,0 +1,80 @@
+"""The restart budget by progress (trainer.resilience.budget), with real processes on 2 CPU ranks: faults that
+training recovers from never exhaust it; a fault that recurs at the same step after every resume ends the
+job after resilience.max_restarts_without_progress recoveries, with one message naming the step, the fault
+and the layer, at every layer."""
+
+import json
+
+import pytest
+
+from components.train.local import CrashLoop, run_local_training
+from trainer.events import read_events
+from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, attempt_history
+
+pytestmark = pytest.mark.integration
+
+FAST = ["--checkpoint.interval_steps=4", "--resilience.heartbeat_timeout=8",
+        "--resilience.initial_heartbeat_timeout=90"]
+
+
+def _crash_loop(cfg, token_dir):
+    with pytest.raises(CrashLoop) as caught:
+        run_local_training(cfg, token_dir)
+    gave_up = json.loads((cfg.run_dir / "gave_up.json").read_text())
+    return str(caught.value), gave_up, attempt_history(cfg.run_dir, 0.0)
+
+
+def test_a_fault_recurring_at_one_step_gives_up_after_the_budget_under_ft_launcher(tmp_path, token_dir,
+                                                                                   training_config):
+    cfg = training_config(tmp_path, "loop", "--training.num_steps=12", *FAST, "--faults.schedule=exception@6:repeat",
+                          "--resilience.max_restarts_without_progress=2")
+    message, gave_up, attempts = _crash_loop(cfg, token_dir)
+
+    # First start trains 1-5 and crashes before step 6; two recoveries resume at 5 and crash again; the
+    # third recovery finds two in a row without progress and gives up before step 6 is tried again.
+    assert [a.layer for a in attempts] == ["first_start", "ft_launcher", "ft_launcher", "ft_launcher"]
+    assert [a.resumed_step for a in attempts] == [0, 5, 5, 5]
+    assert gave_up["streak"] == 2 and gave_up["layer"] == "ft_launcher" and gave_up["step"] == 5
+    for part in ("crash loop", "stuck at step 5", "exception (exception@6:rank=0:repeat#3)", "ft_launcher layer",
+                 f"exit code {CRASH_LOOP_EXIT_CODE}", "max_restarts_without_progress=2"):
+        assert part in message, (part, message)
+    assert [f["key"] for f in read_events(cfg.run_dir, "fault")] == [f"exception@6:rank=0:repeat#{n}" for n in (1, 2, 3)]
+    # Nothing of this launch restarted it after the give-up (the local step did not relaunch it either).
+    assert len(read_events(cfg.run_dir, "attempt")) == 4
+
+
+def test_a_crash_loop_without_node_memory_gives_up_although_each_attempt_completes_steps(tmp_path, token_dir,
+                                                                                         training_config):
+    """Without the memory tier every attempt replays steps 5-7 from the step-4 checkpoint and dies before step 8:
+    steps completed, but the state a recovery reads never advances. That is no progress."""
+    cfg = training_config(tmp_path, "loop-disk", "--training.num_steps=12", *FAST, "--faults.schedule=exit@8:repeat",
+                          "--checkpoint.memory_interval_steps=0", "--checkpoint.mode=sync",
+                          "--resilience.max_restarts_without_progress=2")
+    _, gave_up, attempts = _crash_loop(cfg, token_dir)
+    assert [a.resumed_step for a in attempts] == [0, 4, 4, 4]
+    assert gave_up["step"] == 4
+
+
+def test_the_relaunch_layer_never_relaunches_a_crash_loop(tmp_path, token_dir, training_config):
+    """ft_launcher off (max_restarts=0): every fault goes to the job relaunch, which obeys the same rule."""
+    cfg = training_config(tmp_path, "loop-relaunch", "--training.num_steps=12", *FAST,
+                          "--faults.schedule=sigkill@3:rank=1, exception@6:repeat", "--resilience.max_restarts=0",
+                          "--resilience.max_restarts_without_progress=2")
+    message, gave_up, attempts = _crash_loop(cfg, token_dir)
+    # The sigkill at 3 is recovered (progress: the next resume is at 5); then the loop at 6.
+    assert [a.layer for a in attempts] == ["first_start", "job_restart", "job_restart", "job_restart", "job_restart"]
+    assert gave_up["layer"] == "job_restart" and "job_restart layer" in message
+
+
+def test_in_process_restarts_escalate_then_the_job_gives_up(tmp_path, token_dir, training_config):
+    cfg = training_config(tmp_path, "loop-inprocess", "--training.num_steps=12", *FAST,
+                          "--faults.schedule=exception@6:repeat", "--resilience.in_process=true",
+                          "--resilience.in_process_max_restarts=1", "--resilience.max_restarts_without_progress=3")
+    _, gave_up, attempts = _crash_loop(cfg, token_dir)
+    layers = [a.layer for a in attempts]
+    # One in-process restart without progress: the next in-process attempt finds it when it resumes at the same
+    # step and hands over (escalated: not a try of its own); ft_launcher restarts the processes; in-process
+    # restarts in the new process; the global budget ends the job at its third recovery without progress.
+    assert layers == ["first_start", "in_process", "in_process", "ft_launcher", "in_process", "in_process"], layers
+    assert [a.escalated for a in attempts] == [False, False, True, False, False, False]
+    assert gave_up["streak"] == 3

@@ -1,0 +1,92 @@
+"""The no-progress rule's arithmetic (trainer.resilience.budget), the schedule items that could never fire, and
+the planner's survival figures (trainer.planning.survival) against their simulator."""
+
+import json
+
+import pytest
+
+from trainer.config import ConfigError, load_config
+from trainer.events import EventLog
+from trainer.planning.model import Costs
+from trainer.planning.survival import job_survival, poisson_cdf, pod_restart_budget, simulate_survival
+from trainer.resilience.budget import (RestartBudget, RestartBudgetExhausted, attempt_history, budget_since,
+                                       no_progress_streak)
+
+
+@pytest.mark.parametrize("resumes, current, streak", [
+    ([0], None, 0),                       # the first start is not a recovery
+    ([0, 5], 5, 1),                       # recovered at 5, and resumed at 5 again: no progress
+    ([0, 5], 9, 0),                       # the state advanced
+    ([0, 5, 5, 5], 5, 3),                 # a crash loop at step 5
+    ([0, 5, 5, 9], 9, 1),                 # progress ends the count: only the newest run counts
+    ([0, 5, None, None], None, 2),        # died in start-up twice: no progress, judged before loading
+    ([0, 5, 5], None, 0),                 # the newest ended recovery cannot be judged yet: the count ends
+    ([0, 4, 4, 4], 3, 3),                 # resumed from an older copy (the newer one corrupt): no progress
+])
+def test_the_streak_counts_recoveries_that_did_not_advance_the_state(resumes, current, streak):
+    assert no_progress_streak(resumes, current) == streak
+
+
+def _budget(tmp_path, limit=2, layer="ft_launcher", generation=1):
+    return RestartBudget(tmp_path, rank=0, events=EventLog(tmp_path, 0), limit=limit, in_process_limit=1,
+                         layer=layer, generation=generation, process_started_at=0.0, broadcast=lambda value: value)
+
+
+def test_the_budget_gives_up_once_and_names_the_step_the_fault_and_the_layer(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESILIENT_TRAIN_BUDGET_SINCE", "0")
+    events = EventLog(tmp_path, 0)
+    for resumed in (0, 7, 7):
+        _budget(tmp_path).start()
+        events.write("resume", step=resumed, source="memory", path=None)
+        EventLog(tmp_path, 1).write("fault", fault_type="exit", key="exit@8:rank=1:repeat", step=7)
+    budget = _budget(tmp_path)
+    budget.start()  # two ended recoveries, the newest not judged yet: goes on
+    with pytest.raises(RestartBudgetExhausted) as caught:
+        budget.check(7)
+    message = str(caught.value)
+    for part in ("2 recoveries in a row made no progress", "max_restarts_without_progress=2", "stuck at step 7",
+                 "exit (exit@8:rank=1:repeat) at step 7 on rank 1", "ft_launcher layer", "exit code 42"):
+        assert part in message, part
+    record = json.loads((tmp_path / "gave_up.json").read_text())
+    assert record["generation"] == 1 and record["message"] == message
+    # A worker the launcher restarts before it stopped: refused at once, without a new attempt record.
+    with pytest.raises(RestartBudgetExhausted):
+        _budget(tmp_path).start()
+    assert len(attempt_history(tmp_path, 0.0)) == 4
+    # A new launch (another generation) starts counting after the give-up.
+    assert budget_since(tmp_path) == record["time"]
+    _budget(tmp_path, generation=2).start()
+
+
+def test_a_schedule_item_that_could_never_fire_is_refused():
+    for item, why in (("kill_before_rename@141:rank=1", "only rank 0 commits"),
+                      ("sigkill@5:rank=2", "rank 2 does not exist"),
+                      ("checkpoint_writer_crash@4", "checkpoint.enabled is false"),
+                      ("slow_rank@4:repeat", "':repeat'")):
+        extra = ["--checkpoint.enabled=false"] if "writer" in item else []
+        with pytest.raises(ConfigError, match="faults.schedule") as caught:
+            load_config("local", [f"--faults.schedule={item}", *extra])
+        assert why in str(caught.value), (item, str(caught.value))
+    # After the run's last step is allowed (shortening a demo must not mean editing its drill): logged instead.
+    assert load_config("local", ["--training.num_steps=50"]).faults.schedule == "sigkill@120:rank=1"
+
+
+def test_survival_closed_form_agrees_with_the_simulation():
+    costs = Costs(nodes=1024, node_mtbf_hours=200, step_seconds=4.0, checkpoint_stall_seconds=0.5)
+    closed = job_survival(costs, days=30, recovery_seconds=26.0, fixed=(3700,), limits=(3,))
+    assert 0.5 < closed["by_progress"][3] < 0.95  # a regime where either could be wrong
+    simulated = simulate_survival(costs, 30, 26.0, ("progress", 3), jobs=400, seed=1)
+    assert simulated == pytest.approx(closed["by_progress"][3], abs=0.06)
+    small = Costs(nodes=8, node_mtbf_hours=200, step_seconds=4.0, checkpoint_stall_seconds=0.5)
+    fixed = job_survival(small, 30, 26.0, fixed=(30,))["fixed"][30]
+    assert simulate_survival(small, 30, 26.0, ("fixed", 30), jobs=2000, seed=1) == pytest.approx(fixed, abs=0.04)
+
+
+def test_at_cluster_scale_a_fixed_count_dies_and_the_progress_rule_survives():
+    costs = Costs(nodes=1024, node_mtbf_hours=6335, step_seconds=4.0, checkpoint_stall_seconds=0.5)
+    survival = job_survival(costs, days=30, recovery_seconds=26.0)
+    assert survival["expected_faults"] == pytest.approx(116.4, abs=0.1)
+    assert survival["fixed"][9] < 1e-30  # the old EKS budget: dead within days
+    assert survival["by_progress"][3] > 0.9999
+    assert pod_restart_budget(costs, 30) == 76
+    assert poisson_cdf(2, 1.0) == pytest.approx(0.9196986, abs=1e-6)

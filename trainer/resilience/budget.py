@@ -1,0 +1,219 @@
+"""The restart budget, by progress: a recovery that moved training forward costs nothing; a crash loop ends.
+
+Every layer restarts as often as training makes progress between faults — in-process restarts, ft_launcher's
+in-job restarts, the local job relaunch and the TrainJob's gang restart on EKS. What ends a job is
+``resilience.max_restarts_without_progress`` consecutive recoveries that did not advance the state a
+recovery reads: each resumed from the same step (or an earlier one) as the attempt before it, or died
+before it could load anything. That is a crash loop (a bad batch, a broken node, a bug at step N), and
+restarting it again only burns GPU hours.
+
+The decision is the training's, made the same way at every layer from the run folder alone:
+
+- each attempt (a start of the ranks: first launch, in-process iteration, in-job restart, relaunch) is an
+  ``attempt`` event rank 0 writes before any heavy work, and its ``resume`` event says where it resumed;
+- a recovery made progress when the next attempt resumed from a later step than it did; an attempt with no
+  resume (it died in start-up) made none;
+- at start and again right after the resume, rank 0 counts the trailing recoveries without progress and
+  tells every rank; at the limit it writes ``gave_up.json`` (the message, the layer, the step, the fault)
+  and every rank exits with ``CRASH_LOOP_EXIT_CODE``.
+
+Above the ranks that exit code is the one signal to stop: trainer.launcher stops ft_launcher (whose own
+restart count is kept out of the way) when it sees ``gave_up.json`` of its generation, the local train step
+does not relaunch it, and on EKS the Job's podFailurePolicy turns it into a failed Job and the JobSet's
+failure policy into a failed JobSet; every other exit restarts.
+
+The history a decision reads starts at the train step's launch (``BUDGET_SINCE_ENV``) or at the last
+give-up, whichever is later: a new launch after a fix starts with a full budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.events import EventLog, read_events
+from trainer.run_dir import RunDir, read_json, read_jsonl, write_json
+
+log = logging.getLogger(__name__)
+
+# The one exit code that means "do not restart me" — Kubernetes' own podFailurePolicy example uses 42 for a
+# non-retriable failure; nothing else in the stack (Python, torch elastic, NVRx, the shell) exits with it.
+CRASH_LOOP_EXIT_CODE = 42
+BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # the launch whose attempts the budget counts (epoch seconds)
+LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
+JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
+
+
+class RestartBudgetExhausted(BaseException):
+    """The no-progress rule gave up; the message says where, how and what to do.
+
+    A BaseException: NVRx's in-process Wrapper restarts on any Exception, and so would any handler that
+    catches Exception on the way out; this one must reach the process's exit code.
+    """
+
+
+class EscalateToLauncher(BaseException):
+    """In-process restarts stopped making progress: end the processes so ft_launcher restarts them."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of the ranks, as the run folder recorded it."""
+
+    started: float
+    layer: str  # first_start, in_process, ft_launcher, torchrun, job_restart
+    resumed_step: int | None  # None: it died before it resumed
+    fault: dict[str, Any] | None  # the last fault recorded during it
+    escalated: bool = False  # it handed over to ft_launcher (in-process stopped progressing): not a try of its own
+
+
+def restart_layer(in_process_iteration: int, restart_iteration: int, job_attempt: int, launcher: str) -> str:
+    """The innermost layer that restarted this attempt (first_start when none did)."""
+    if in_process_iteration > 0:
+        return "in_process"
+    if restart_iteration > 0:
+        return launcher
+    if job_attempt > 0:
+        return "job_restart"
+    return "first_start"
+
+
+def current_layer(in_process_iteration: int = 0) -> str:
+    """This process's layer, from what the launchers put in its environment."""
+    return restart_layer(in_process_iteration, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                         int(os.environ.get(JOB_ATTEMPT_ENV, "0")), os.environ.get(LAUNCHER_ENV, "torchrun"))
+
+
+def no_progress_streak(resumed_steps: list[int | None], current: int | None) -> int:
+    """Consecutive recoveries, newest first, that did not advance the state: resumed_steps are the ended
+    attempts' resume steps (oldest first; index 0 is the first start, not a recovery), current the resume of
+    the attempt starting now (None before it has loaded).
+
+    A recovery progressed when the nearest later known resume is past its own; one that never resumed made
+    none; one with no later known resume cannot be judged yet, and ends the count.
+    """
+    later = current
+    streak = 0
+    for step in reversed(resumed_steps[1:]):
+        if step is None:
+            streak += 1
+            continue
+        if later is None or later > step:
+            break
+        streak += 1
+        later = step
+    return streak
+
+
+def attempt_history(run_dir: Path, since: float) -> list[Attempt]:
+    """Attempts recorded since `since` (rank 0's events), each with its resume and its last fault."""
+    run_dir = RunDir(run_dir)
+    own = read_jsonl(run_dir.events_of(0))
+    starts = [e for e in own if e.get("event") == "attempt" and e["time"] >= since]
+    resumes = [e for e in own if e.get("event") == "resume"]
+    faults = read_events(run_dir.path, "fault")
+    attempts = []
+    for index, start in enumerate(starts):
+        end = starts[index + 1]["time"] if index + 1 < len(starts) else math.inf
+        resumed = next((e["step"] for e in resumes if start["time"] <= e["time"] < end), None)
+        during = [f for f in faults if start["time"] <= f["time"] < end]
+        escalated = any(e.get("event") == "escalated" and start["time"] <= e["time"] < end for e in own)
+        attempts.append(Attempt(start["time"], start["layer"], resumed, during[-1] if during else None, escalated))
+    return attempts
+
+
+def read_gave_up(run_dir: Path) -> dict[str, Any] | None:
+    return read_json(RunDir(run_dir).gave_up)
+
+
+def budget_since(run_dir: Path) -> float:
+    """Where the counted history starts: this launch (the step's), or after the last give-up."""
+    since = float(os.environ.get(BUDGET_SINCE_ENV) or 0.0)
+    gave_up = read_gave_up(run_dir)
+    return max(since, gave_up["time"]) if gave_up else since
+
+
+def _fault_text(fault: dict[str, Any] | None) -> str:
+    if fault is None:
+        return "a crash with no injected fault recorded (the ranks' tracebacks are in train.log)"
+    return f"{fault['fault_type']} ({fault['key']}) at step {fault['step']} on rank {fault['rank']}"
+
+
+def give_up_message(attempts: list[Attempt], current_step: int | None, streak: int, limit: int, layer: str,
+                    train_log: Path) -> str:
+    stuck = [a.resumed_step for a in attempts[-streak:] if a.resumed_step is not None]
+    step = max(stuck) if stuck else current_step
+    where = f"step {step}" if step is not None else "start-up (no attempt got as far as resuming)"
+    last_fault = next((a.fault for a in reversed(attempts) if a.fault is not None), None)
+    return (f"crash loop: {streak} recoveries in a row made no progress (resilience.max_restarts_without_progress="
+            f"{limit}): training is stuck at {where}; last fault: {_fault_text(last_fault)}; the {layer} layer "
+            f"gives up instead of restarting again (exit code {CRASH_LOOP_EXIT_CODE}). Fix the cause (see "
+            f"{train_log}), then run the step again: a new launch starts with a full budget.")
+
+
+class RestartBudget:
+    """The no-progress rule inside one training attempt; collective (every rank calls the same methods)."""
+
+    def __init__(self, run_dir: Path, *, rank: int, events: EventLog, limit: int, in_process_limit: int,
+                 layer: str, generation: int | None, process_started_at: float, broadcast):
+        """broadcast(obj) -> obj: rank 0's object on every rank (torch.distributed in the trainer)."""
+        self.run_dir = RunDir(run_dir)
+        self.rank = rank
+        self.events = events
+        self.limit = limit
+        self.in_process_limit = in_process_limit
+        self.layer = layer
+        self.generation = generation
+        self.process_started_at = process_started_at
+        self.broadcast = broadcast
+
+    def start(self) -> None:
+        """Record this attempt, then stop before any heavy work if the history already says so."""
+        gave_up = read_gave_up(self.run_dir.path)
+        if gave_up is not None and self.generation is not None and gave_up.get("generation") == self.generation:
+            # This launch gave up already; ft_launcher restarted us before trainer.launcher stopped it.
+            raise RestartBudgetExhausted(gave_up["message"])
+        if self.rank == 0:
+            self.events.write("attempt", layer=self.layer, pid=os.getpid(), generation=self.generation)
+        self.check(None)
+
+    def check(self, resumed_step: int | None) -> None:
+        """Give up (RestartBudgetExhausted on every rank) at the limit; escalate in-process restarts that stopped
+        progressing (EscalateToLauncher). resumed_step: this attempt's resume, once known."""
+        verdict = self._verdict(resumed_step) if self.rank == 0 else None
+        verdict = self.broadcast(verdict)
+        if verdict is None:
+            return
+        kind, message = verdict
+        if kind == "escalate":
+            log.warning("%s", message)
+            raise EscalateToLauncher(message)
+        log.error("%s", message)
+        raise RestartBudgetExhausted(message)
+
+    def _verdict(self, resumed_step: int | None) -> tuple[str, str] | None:
+        attempts = attempt_history(self.run_dir.path, budget_since(self.run_dir.path))
+        ended = [a for a in attempts[:-1] if not a.escalated]  # the last one is this attempt
+        streak = no_progress_streak([a.resumed_step for a in ended], resumed_step)
+        if streak >= self.limit:
+            message = give_up_message(ended, resumed_step, streak, self.limit, self.layer, self.run_dir.train_log)
+            record = {"time": time.time(), "generation": self.generation, "layer": self.layer, "streak": streak,
+                      "limit": self.limit, "step": resumed_step, "message": message,
+                      "last_fault": next((a.fault for a in reversed(ended) if a.fault), None)}
+            write_json(self.run_dir.gave_up, record)
+            self.events.write("gave_up", **{k: v for k, v in record.items() if k != "time"})
+            return "give_up", message
+        if self.layer == "in_process":
+            mine = [a for a in ended if a.started >= self.process_started_at]
+            in_process = no_progress_streak([a.resumed_step for a in mine], resumed_step)
+            if in_process >= self.in_process_limit:
+                self.events.write("escalated", streak=in_process, limit=self.in_process_limit, step=resumed_step)
+                return "escalate", (f"{in_process} in-process restarts in a row made no progress "
+                                    f"(resilience.in_process_max_restarts={self.in_process_limit}): ending the "
+                                    "processes so that ft_launcher restarts them")
+        return None
