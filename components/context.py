@@ -49,17 +49,20 @@ def write_step_result(cfg: Config, step: str, result: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def step_context(cfg: Config, name: str) -> Iterator[tuple[tracking.Tracker, str]]:
-    """Nested MLflow run + error record for one step: yields (tracker, the step run's spool key)."""
+def step_context(cfg: Config, name: str, *, one_per_pipeline_run: bool = False
+                 ) -> Iterator[tuple[tracking.Tracker, str]]:
+    """Nested MLflow run + error record for one step: yields (tracker, the step run's spool key). A failed
+    step's run ends FAILED with the reason as its `failure_reason` tag."""
     run_dir = RunDir(cfg.run_dir)
     run_dir.step_error(name).unlink(missing_ok=True)  # a retried step starts clean
     mlflow = tracker(cfg)
-    run = mlflow.start_step(name)
+    run = mlflow.start_step(name, one_per_pipeline_run=one_per_pipeline_run)
     try:
         yield mlflow, run
     except BaseException as err:
         write_json(run_dir.step_error(name), {"step": name, "error_type": type(err).__name__, "message": str(err),
                                               "traceback": traceback.format_exc()})
+        mlflow.set_tags(run, {"failure_reason": f"{type(err).__name__}: {err}"[:5000]})
         mlflow.end_run(run, "FAILED")
         raise
     mlflow.end_run(run, "FINISHED")

@@ -10,7 +10,11 @@ delivered twice (a crash between the server's commit and our bookmark) leaves no
   spool key it was created with), so a retried step or a replayed journal never makes a second run;
 - metrics carry their original timestamps, and MLflow drops a metric whose (key, value, step, timestamp) is
   already logged; params and tags are set to the same value again; an artifact is overwritten with the same
-  bytes (artifacts are copied into the spool when logged); a table is written once (log_table appends).
+  bytes (artifacts are copied into the spool when logged); a table is written whole, replacing the last one.
+
+What the trainer writes into the run folder while it trains reaches the train run through ``forward`` (the
+live forwarder, components.forwarder): the rows and the forwarder's new read positions go into the journal
+under one lock, so a restarted forwarder (a retried step) starts where the journal says it stopped.
 
 The parent run is found by its ``pipeline_run_id`` tag, so any step (and the exit handler) attaches to it
 without passing MLflow ids around.
@@ -90,11 +94,30 @@ class Tracker:
     def start_parent(self, params: dict[str, str], tags: dict[str, str]) -> None:
         self._record({"op": "start_run", "run": PARENT, "tags": tags, "params": params})
 
-    def start_step(self, step: str) -> str:
-        """A nested run for one execution of a step; returns its spool key (a retry gets a new run)."""
-        key = f"{step}-{uuid.uuid4().hex[:12]}"
+    def start_step(self, step: str, *, one_per_pipeline_run: bool = False) -> str:
+        """A nested run for one execution of a step; returns its spool key. A retry gets a new run, unless
+        one_per_pipeline_run (the train step: a retried launcher re-attaches to the same training, so its
+        metrics continue in the same MLflow run, which is marked running again)."""
+        key = step if one_per_pipeline_run else f"{step}-{uuid.uuid4().hex[:12]}"
         self._record({"op": "start_run", "run": key, "step": step, "tags": {}, "params": {}})
         return key
+
+    def forward(self, run: str, rows: list[list], cursor: dict[str, int]) -> None:
+        """Journal rows forwarded from the run folder together with the read positions after them (one lock, one
+        fsync): a restarted forwarder resumes from forwarded_cursor() and sends nothing twice. Rows journaled
+        again after a crash between the two writes are dropped by MLflow (same key, value, step and time)."""
+        with self._locked():
+            if rows:
+                with self.journal.open("a") as handle:
+                    handle.write(json.dumps({"op": "metrics", "run": run, "rows": rows, "time": time.time()}) + "\n")
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            write_json(self.spool / "forwarded.json", cursor, fsync=True)
+        if rows:
+            self.flush()
+
+    def forwarded_cursor(self) -> dict[str, int]:
+        return read_json(self.spool / "forwarded.json") or {}
 
     def log_metrics(self, run: str, records: Iterable[dict[str, float]], step_key: str = "step") -> int:
         rows = metric_rows(records, step_key)
@@ -151,6 +174,20 @@ class Tracker:
                 os.fsync(handle.fileno())
         self.flush()
 
+    def _undelivered(self, state: dict[str, Any]) -> list[str]:
+        """The journal's lines after the delivered ones, read from the byte offset delivery reached (a month's
+        journal is not read whole at every record)."""
+        if not self.journal.is_file():
+            return []
+        if "offset" not in state:  # a spool from before offsets were kept: find it once
+            with self.journal.open("rb") as handle:
+                state["offset"] = sum(len(handle.readline()) for _ in range(state["delivered"]))
+        with self.journal.open("rb") as handle:
+            handle.seek(state["offset"])
+            text = handle.read().decode()
+        complete = text[: text.rfind("\n") + 1]  # a line still being appended is not a record yet
+        return complete.splitlines()
+
     def _journal_length(self) -> int:
         if not self.journal.is_file():
             return 0
@@ -158,7 +195,7 @@ class Tracker:
             return sum(1 for _ in handle)
 
     def _state(self) -> dict[str, Any]:
-        return read_json(self.state_path) or {"delivered": 0, "runs": {}}
+        return read_json(self.state_path) or {"delivered": 0, "runs": {}, "offset": 0}
 
     def _save_state(self, state: dict[str, Any]) -> None:
         write_json(self.state_path, state)
@@ -167,13 +204,13 @@ class Tracker:
         """Deliver what is pending, in order; True when nothing is left. Never raises for an outage."""
         with self._locked():
             state = self._state()
-            lines = self.journal.read_text().splitlines() if self.journal.is_file() else []
-            if state["delivered"] >= len(lines):
+            lines = self._undelivered(state)
+            if not lines:
                 return True
             try:
                 self._check_reachable()
-                for index in range(state["delivered"], len(lines)):
-                    op = json.loads(lines[index])
+                for line in lines:
+                    op = json.loads(line)
                     refusal = self._try_deliver(op, state)
                     if refusal is not None:  # the server answered and refused: set aside, the rest goes on
                         log.error("MLflow refused a %s record for run %s: %s (kept in %s; fix the cause, then "
@@ -181,14 +218,14 @@ class Tracker:
                                   refusal, self.rejected_path, self.spool.parent)
                         with self.rejected_path.open("a") as handle:
                             handle.write(json.dumps({**op, "error": refusal}) + "\n")
-                    state["delivered"] = index + 1
+                    state["delivered"] += 1
+                    state["offset"] = state.get("offset", 0) + len(line.encode()) + 1
                     self._save_state(state)
             except TrackingUnavailable as err:
                 if not self._warned:
-                    log.warning("MLflow at %s is unreachable (%s): %d record(s) spooled in %s; they are delivered "
-                                "by the next step or by `python -m pipelines mlflow-sync %s`", self.tracking_uri,
-                                str(err).splitlines()[0][:200], len(lines) - state["delivered"], self.journal,
-                                self.spool.parent)
+                    log.warning("MLflow at %s is unreachable (%s): record(s) spooled in %s; they are delivered "
+                                "when it is back, by the next step or by `python -m pipelines mlflow-sync %s`",
+                                self.tracking_uri, str(err).splitlines()[0][:200], self.journal, self.spool.parent)
                     self._warned = True
                 return False
             if self._warned:
@@ -302,13 +339,31 @@ class Tracker:
         elif op["op"] == "artifact":
             client.log_artifact(run_id, op["path"], op["artifact_path"])
         elif op["op"] == "table":
-            existing = {item.path for item in client.list_artifacts(run_id)}
-            if op["artifact_file"] not in existing:
-                client.log_table(run_id, data=op["data"], artifact_file=op["artifact_file"])
+            self._replace_table(run_id, op["data"], op["artifact_file"])
         elif op["op"] == "end_run":
             client.set_terminated(run_id, status=op["status"], end_time=int(op["time"] * 1000))
         else:
             raise AssertionError(f"unknown spool record {op['op']}")
+
+    def _replace_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
+        """The whole table, in log_table's own format (pandas' split orientation) and with its UI tag, replacing
+        the last one: log_table itself appends to an existing file, so a live table would repeat rows."""
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS  # mlflow: see _mlflow
+
+        columns = list(data)
+        rows = [list(row) for row in zip(*(data[c] for c in columns))]
+        folder = self.spool / "tables" / uuid.uuid4().hex
+        folder.mkdir(parents=True)
+        try:
+            (folder / Path(artifact_file).name).write_text(json.dumps({"columns": columns, "data": rows}, default=str))
+            parent = str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None
+            self._mlflow().log_artifact(run_id, str(folder / Path(artifact_file).name), parent)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        tagged = json.loads(self._mlflow().get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        if {"path": artifact_file, "type": "table"} not in tagged:
+            tagged.append({"path": artifact_file, "type": "table"})
+            self._mlflow().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tagged))
 
     def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
         from mlflow.entities import Param  # mlflow: 1.4 s to import, and the spool works without it
@@ -319,7 +374,7 @@ class Tracker:
             tags = {**identity, **op["tags"]}
             name = self.pipeline_run_id
         else:
-            identity = {SPOOL_KEY_TAG: op["run"]}
+            identity = {SPOOL_KEY_TAG: op["run"], PIPELINE_RUN_TAG: self.pipeline_run_id}
             parent = state["runs"][PARENT]
             tags = {**identity, "mlflow.parentRunId": parent, PIPELINE_RUN_TAG: self.pipeline_run_id,
                     STEP_TAG: op["step"]}
@@ -327,6 +382,8 @@ class Tracker:
         existing = self._find_run(identity)
         if existing is not None:
             run_id = existing.info.run_id
+            if op["run"] != PARENT and existing.info.status != "RUNNING":  # a retried step, in the run it had
+                client.update_run(run_id, status="RUNNING")
         else:
             run_id = client.create_run(self._experiment_id(), run_name=name, tags=tags,
                                        start_time=int(op["time"] * 1000)).info.run_id

@@ -154,6 +154,15 @@ class TrainingProgress:
             seconds = f"{event['recovery_seconds']:.1f} s" if event["recovery_seconds"] is not None else "n/a"
             line = (f"  ! recovered by {event['mechanism']} restart: reloaded step {event['reloaded_step']} from "
                     f"{event['reload_source']}, {lost} steps lost, {seconds} to the next step")
+        elif event["event"] == "checkpoint_failed":
+            key = ("checkpoint_failed", event.get("step"))
+            line = f"  ! checkpoint step {event['step']} failed, not committed (the next save commits): {event['error']}"
+        elif event["event"] == "fault_absorbed":
+            key = ("fault_absorbed", event.get("fault_key"))
+            line = f"  ! {event['fault_key']}: {event['why']}"
+        elif event["event"] == "gave_up":
+            key = ("gave_up", event.get("generation"))
+            line = f"  ! {event['message']}"
         else:
             return
         if key not in self._seen_events:  # every rank records its recovery; one line is enough

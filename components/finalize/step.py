@@ -17,6 +17,7 @@ from components.stage.staging import STAGE_ERROR
 from components.train.trainjob import delete_unfinished_trainjob
 from trainer.config import Config
 from trainer.events import read_events
+from trainer.resilience.budget import read_gave_up
 from trainer.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "heldout_perplexity": evaluate.get("perplexity"),
         "promotion": evaluate.get("promotion"),
         "recovery_events": read_events(cfg.run_dir, "recovery"),
+        "restart_budget_gave_up": (read_gave_up(cfg.run_dir) or {}).get("message"),
         "goodput": train.get("goodput"),
         "errors": errors,
         "steps": steps,

@@ -1,8 +1,10 @@
-"""The train step: train (on this machine, or through a TrainJob), then log the metrics, the checkpoints,
-the recoveries, system metrics and plots to this run's MLflow train run."""
+"""The train step: train (on this machine, or through a TrainJob) while the run folder is forwarded to this
+run's MLflow train run (components.forwarder); at the end — success or failure — the recovery totals, goodput,
+the planner's costs, plots and train.log, so a failed run explains itself in MLflow."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,35 +13,33 @@ from kubernetes import config as k8s_config
 
 from components import tracking
 from components.context import step_context, write_step_result
+from components.forwarder import RunFolderForwarder
 from components.train.local import run_local_training
 from components.train.plots import training_plots
-from components.train.report import checkpoint_metric_records, read_metrics
-from components.train.system_metrics import SystemMetricsSampler
+from components.train.report import checkpoint_metric_records, read_metrics, training_report
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
 from trainer.config import Config
 from trainer.events import read_events
 from trainer.planning.measured import measured_costs
+from trainer.resilience.budget import read_gave_up
 from trainer.run_dir import RunDir
 
 
 def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
     run_dir = RunDir(cfg.run_dir)
-    with step_context(cfg, "train") as (mlflow, run):
-        with SystemMetricsSampler(interval_seconds=10) as system:
-            result = run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled else run_local_training(cfg, Path(data_dir))
-        metrics = read_metrics(Path(result["metrics_file"]))
+    started = time.time()
+    with step_context(cfg, "train", one_per_pipeline_run=True) as (mlflow, run):
+        result: dict[str, Any] | None = None
+        try:
+            with RunFolderForwarder(mlflow, run, cfg.run_dir, cfg.mlflow.forward_interval_seconds):
+                result = (run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled
+                          else run_local_training(cfg, Path(data_dir)))
+        finally:  # what MLflow must hold either way; a failure's reason is tagged by step_context
+            log_outcome(mlflow, run, cfg, result if result is not None else failed_report(cfg, started))
         checkpoints = checkpoint_metric_records(cfg.run_dir)
         stalls = [c["checkpoint_loop_wait_seconds"] for c in checkpoints]
         result["checkpoint_saves"] = len(stalls)
         result["checkpoint_stall_mean_seconds"] = sum(stalls) / len(stalls) if stalls else 0.0
-        mlflow.log_metrics(run, metrics)
-        mlflow.log_metrics(run, checkpoints)
-        mlflow.log_metrics(run, system.records)
-        log_recovery(mlflow, run, cfg, result)
-        for path in training_plots(metrics, checkpoints, read_events(cfg.run_dir, "fault"),
-                                   read_events(cfg.run_dir, "recovery"), run_dir.plots):
-            mlflow.log_artifact(run, path, "plots")
-        mlflow.log_artifact(run, run_dir.train_log)
         if result.get("checkpoint") is None:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
         write_step_result(cfg, "train", result)
@@ -55,10 +55,17 @@ def run_on_cluster(cfg: Config, data_dir: str) -> dict[str, Any]:
     return TrainJobLauncher(cfg, k8s_client.CustomObjectsApi(), k8s_client.CoreV1Api()).run(data_dir)
 
 
-def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
-    """Recovery events as an MLflow table; their totals, the job's goodput, its badput by category (fraction
-    of the wall time) and the costs the planner reads (`python -m pipelines plan --run-id`) as metrics."""
-    recoveries = read_events(cfg.run_dir, "recovery")
+def failed_report(cfg: Config, started: float) -> dict[str, Any]:
+    """What a failed training leaves to report: the run folder's totals up to the failure."""
+    metrics = read_metrics(RunDir(cfg.run_dir).metrics)
+    return {"steps": metrics[-1]["step"] if metrics else 0, **training_report(cfg.run_dir, started)}
+
+
+def log_outcome(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
+    """Totals at the end (the per-step points, checkpoints, faults and recoveries went live): recovery
+    totals, goodput and badput by category (fractions of the wall time), the costs the planner reads
+    (`python -m pipelines plan --run-id`), the interval choice's reason, a give-up's record, plots, train.log."""
+    run_dir = RunDir(cfg.run_dir)
     totals = {"step": result["steps"], "faults_injected": len(read_events(cfg.run_dir, "fault")),
               **result["recovery_totals"]}
     if result.get("goodput") is not None:
@@ -66,12 +73,21 @@ def log_recovery(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[s
         wall = result["job_wall_seconds"]
         totals.update({f"badput_{name}": seconds / wall for name, seconds in result["badput_seconds"].items()})
     totals.update({f"cost_{name}": value for name, value in measured_costs(cfg.run_dir).items()})
+    tags = {}
     chosen = read_events(cfg.run_dir, "checkpoint_interval_chosen")  # checkpoint.interval_steps=auto
     if chosen:
         totals["checkpoint_interval_steps_chosen"] = chosen[-1]["interval_steps"]
-        mlflow.set_tags(run, {"checkpoint_interval_reason": chosen[-1]["reason"][:5000]})
+        tags["checkpoint_interval_reason"] = chosen[-1]["reason"][:5000]
+    gave_up = read_gave_up(cfg.run_dir)
+    if gave_up is not None:
+        tags["restart_budget_gave_up"] = gave_up["message"][:5000]
     mlflow.log_metrics(run, [totals])
-    if recoveries:
-        columns = sorted({key for r in recoveries for key in r})
-        mlflow.log_table(run, data={c: [r.get(c) for r in recoveries] for c in columns},
-                         artifact_file="recovery_events.json")
+    if tags:
+        mlflow.set_tags(run, tags)
+    metrics = read_metrics(run_dir.metrics)
+    if metrics:
+        for path in training_plots(metrics, checkpoint_metric_records(cfg.run_dir), read_events(cfg.run_dir, "fault"),
+                                   read_events(cfg.run_dir, "recovery"), run_dir.plots):
+            mlflow.log_artifact(run, path, "plots")
+    if run_dir.train_log.is_file():
+        mlflow.log_artifact(run, run_dir.train_log)

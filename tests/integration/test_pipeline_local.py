@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from trainer.events import read_events
+from trainer.run_dir import read_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -110,14 +111,19 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert sorted(by_step) == ["evaluate", "stage", "train", "validate"]
     assert all(run.info.status == "FINISHED" for run in children)
     losses = client.get_metric_history(by_step["train"].info.run_id, "loss")
-    assert [m.step for m in losses] == [1, 2, 3, 4, 5, 6]
+    # Forwarded while training: one point per metrics.jsonl line (a replayed step, if any, twice, as there).
+    lines = read_jsonl(work / "fsx" / "runs" / "e2e" / "metrics.jsonl")
+    assert sorted((m.step, m.value) for m in losses) == sorted((r["step"], r["loss"]) for r in lines)
+    assert {m.step for m in losses} == {1, 2, 3, 4, 5, 6}
     stalls = client.get_metric_history(by_step["train"].info.run_id, "checkpoint_blocking_seconds")
-    # checkpoint.interval_steps=3. The SIGKILL drill at step 4 may cut the first (slow) save of step 3 short,
-    # and the restart resumes from node memory at step 4, so nothing saves step 3 again: MLflow has what the
-    # ranks recorded as written.
-    written = sorted(e["step"] for e in read_events(work / "fsx" / "runs" / "e2e", "checkpoint_written")
-                     if e["rank"] == 0)
-    assert [m.step for m in stalls] == written and 6 in written and set(written) <= {3, 6}
+    # checkpoint.interval_steps=3. The SIGKILL drill at step 4 may cut the first (slow) save of step 3 short —
+    # its write done on every rank but its commit (rank 0's commit thread) killed — and the restart resumes
+    # from node memory at step 4, so nothing saves step 3 again. A save is a checkpoint once committed: MLflow
+    # has one point per committed checkpoint, which a written-but-uncommitted save is not.
+    run_dir = work / "fsx" / "runs" / "e2e"
+    committed = sorted(e["step"] for e in read_events(run_dir, "checkpoint_committed"))
+    written = {e["step"] for e in read_events(run_dir, "checkpoint_written") if e["rank"] == 0}
+    assert [m.step for m in stalls] == committed and 6 in committed and set(committed) <= written <= {3, 6}
     assert by_step["validate"].data.metrics["checks_passed"] == 4
     assert by_step["stage"].data.metrics["objects"] == 4
     train = by_step["train"]
@@ -126,7 +132,8 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert {"recovery_events.json", "train.log", "plots"} <= artifacts
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
         "plots/loss.png", "plots/throughput.png", "plots/checkpoint_stall.png", "plots/recovery_timeline.png"}
-    assert train.data.metrics["system/cpu_utilization_percentage"] >= 0
+    # The training node's own system metrics (its launcher samples them into the run folder), not the step's.
+    assert train.data.metrics["system/node-0/cpu_utilization_percentage"] >= 0
     evaluate = by_step["evaluate"]
     assert "generations.json" in {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     assert evaluate.data.tags["promoted"] == "true" and parent.data.tags["promoted"] == "true"
@@ -221,6 +228,39 @@ def test_missing_bucket_fails_clearly_and_touches_nothing_saved(successful_run, 
 
     client = MlflowClient(summary["mlflow_tracking_uri"])
     assert client.get_run(summary["mlflow_parent_run_id"]).info.status == "FAILED"
+
+
+def test_a_crash_loop_fails_the_run_and_mlflow_holds_everything_up_to_it(successful_run, work, mlflow_server):
+    """A fault that recurs at step 5 after every resume: the restart budget gives up (exit code 42, no
+    relaunch), the pipeline fails naming the step, the fault and the layer, and the MLflow train run is FAILED
+    with its reason, every loss point, the recovery of the earlier fault, train.log and the plots."""
+    from mlflow.tracking import MlflowClient
+
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=loop", *FAST,
+                   f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--mlflow.forward_interval_seconds=2",
+                   "--faults.schedule=sigkill@2:rank=1, exception@5:repeat",
+                   "--resilience.max_restarts_without_progress=2", cwd=work)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "crash loop: 2 recoveries in a row made no progress" in proc.stdout
+    run_dir = work / "fsx" / "runs" / "loop"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["errors"][0]["step"] == "train"
+    assert summary["mlflow_pending_records"] == 0
+
+    client = MlflowClient(mlflow_server.tracking_uri)
+    [train] = client.search_runs([client.get_experiment_by_name("resilient-train-local").experiment_id],
+                                 filter_string="tags.pipeline_run_id = 'loop' and tags.pipeline_step = 'train'")
+    assert train.info.status == "FAILED"
+    assert "stuck at step 4" in train.data.tags["failure_reason"]
+    assert "exception@5:rank=0:repeat" in train.data.tags["restart_budget_gave_up"]
+    lines = read_jsonl(run_dir / "metrics.jsonl")
+    losses = client.get_metric_history(train.info.run_id, "loss")
+    assert len(losses) == len(lines) and {m.step for m in losses} == {1, 2, 3, 4}
+    assert train.data.metrics["recoveries"] == 1  # the sigkill at 2, recovered before the loop began
+    assert len(client.get_metric_history(train.info.run_id, "fault")) == 1 + 3  # the sigkill, the loop's three
+    artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
+    assert {"recovery_events.json", "train.log", "plots"} <= artifacts
+    assert "plots/loss.png" in {a.path for a in client.list_artifacts(train.info.run_id, "plots")}
 
 
 @pytest.mark.parametrize("args, message", [
