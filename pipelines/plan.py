@@ -22,6 +22,7 @@ from typing import Any
 
 from trainer.planning.model import CONFIGURATIONS, Costs, PlanError, Plan, make_plan
 from trainer.planning.simulate import FailureModel, simulate_many
+from trainer.planning.survival import job_survival, pod_restart_budget, simulate_survival
 
 # Llama 3 (Dubey et al. 2024): 419 unexpected interruptions in 54 days on 2,048 nodes of 8 GPUs.
 LLAMA3_NODE_MTBF_HOURS = round(2048 * 54 * 24 / 419)
@@ -45,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="write goodput against cluster size (PNG) here")
     parser.add_argument("--simulate", type=int, default=0, metavar="JOBS",
                         help="also simulate JOBS seeded jobs per configuration and report their mean goodput")
-    parser.add_argument("--work-days", type=float, default=30.0, help="work per simulated job (default 30 days)")
+    parser.add_argument("--work-days", type=float, default=30.0,
+                        help="the job's length in days: simulated work, and the restart budget's survival (default 30)")
     parser.add_argument("--distribution", default="exponential", choices=["exponential", "weibull"])
     parser.add_argument("--weibull-shape", type=float, default=0.7)
     parser.add_argument("--rack-size", type=int, default=8)
@@ -144,11 +146,45 @@ def _interval(config: dict[str, Any], tier: str) -> str:
     return f"{found['interval_steps']} steps ({found['interval_seconds']:.0f} s)"
 
 
-def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None) -> str:
+def restart_budget(costs: Costs, days: float, simulate_jobs: int = 0, seed: int = 0) -> dict[str, Any]:
+    """The chance that a job of `days` survives its restart budget: fixed counts against the no-progress rule
+    (trainer.planning.survival), and the JobSet maxRestarts that covers its pod-level faults. A recovery
+    advances the state once restarted, reloaded from node memory and one step on."""
+    recovery = costs.restart_seconds + costs.memory_reload_seconds + costs.step_seconds
+    budget = job_survival(costs, days, recovery)
+    budget["jobset_max_restarts"] = pod_restart_budget(costs, days)
+    if simulate_jobs:
+        budget["simulated"] = {
+            "fixed": {b: simulate_survival(costs, days, recovery, ("fixed", b), simulate_jobs, seed) for b in budget["fixed"]},
+            "by_progress": {limit: simulate_survival(costs, days, recovery, ("progress", limit), simulate_jobs, seed)
+                            for limit in budget["by_progress"]}}
+    return budget
+
+
+def _budget_lines(budget: dict[str, Any]) -> list[str]:
+    simulated = budget.get("simulated", {})
+
+    def share(kind: str, key: int) -> str:
+        value = budget[kind][key]
+        text = f"{value:.2%}" if value < 0.9999 else f"1 - {1 - value:.1e}"
+        return text + (f" (simulated {simulated[kind][key]:.2%})" if simulated else "")
+
+    return ["", f"restart budget over {budget['days']:g} days ({budget['expected_faults']:.1f} faults expected; a "
+                f"recovery fails to progress with p = {budget['no_progress_probability']:.2e}):",
+            "  survival with a fixed count of restarts: " + ", ".join(f"{b}: {share('fixed', b)}" for b in budget["fixed"]),
+            "  survival by progress (max_restarts_without_progress): "
+            + ", ".join(f"{limit}: {share('by_progress', limit)}" for limit in budget["by_progress"]),
+            f"  JobSet maxRestarts covering the pod-level faults (node, rack) with 99.9 %: {budget['jobset_max_restarts']}"]
+
+
+def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None,
+                budget: dict[str, Any] | None = None) -> str:
     payload = plan.to_json()
     if simulated:
         for config in payload["configurations"]:
             config["simulated"] = simulated[config["name"]]
+    if budget is not None:
+        payload["restart_budget"] = budget
     if fmt == "json":
         return json.dumps(payload, indent=2, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
     c = plan.costs
@@ -174,6 +210,8 @@ def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None) 
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines += ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
         lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    if budget is not None:
+        lines += _budget_lines(budget)
     return "\n".join(lines)
 
 
@@ -186,4 +224,5 @@ def plan_command(args: argparse.Namespace, tracking_uri: str) -> str:
     simulated = _simulated(plan, args) if args.simulate > 0 else None
     if args.plot:
         plot_goodput(costs, args.plot, names)
-    return render_plan(plan, args.format, simulated)
+    budget = restart_budget(costs, args.work_days, args.simulate, args.seed)
+    return render_plan(plan, args.format, simulated, budget)
