@@ -190,10 +190,10 @@ class RestartBudget:
         if verdict is None:
             return
         kind, message = verdict
+        if self.rank == 0:  # one voice: every rank acts on it
+            log.log(logging.WARNING if kind == "escalate" else logging.ERROR, "%s", message)
         if kind == "escalate":
-            log.warning("%s", message)
             raise EscalateToLauncher(message)
-        log.error("%s", message)
         raise RestartBudgetExhausted(message)
 
     def _verdict(self, resumed_step: int | None) -> tuple[str, str] | None:

@@ -1,0 +1,131 @@
+"""The chaos soak: the whole pipeline through the CLI, 30 faults of every injectable type on a seeded schedule
+spread over 400 steps on 2 ranks, and the MLflow tracking server killed and restarted while it trains.
+
+What a month-long job needs, in one run: every fault that training recovers from leaves the budget untouched
+(trainer.resilience.budget); every loss is bit-identical to a clean run's; every fault has a record; MLflow
+shows the training while it runs, and after the outage holds exactly one point per metrics.jsonl line with
+nothing pending or refused; no process outlives the run."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from components.evaluate.heldout import evaluate_checkpoint
+from components.train.local import RUN_DIR_ENV, job_processes, run_local_training
+from trainer.config import load_config
+from trainer.events import read_events
+from trainer.resilience.faults import FAULT_TYPES, RANK_0_SAVE_POINTS, SAVE_FAULTS
+from trainer.run_dir import read_jsonl
+
+pytestmark = pytest.mark.integration
+
+NUM_STEPS = 400
+TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--training.seq_len=32",
+            "--training.warmup_steps=5", "--training.log_every=50", "--checkpoint.interval_steps=5",
+            "--local.demo_documents=200", "--eval.max_batches=4", "--resilience.heartbeat_timeout=8",
+            "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1"]
+
+
+def seeded_schedule(seed: int = 2026, count: int = 30) -> str:
+    """count faults, every type at least twice, one every ~13 steps (a little jitter), ranks drawn; the
+    drills only rank 0 can fire (commit sub-steps) on rank 0."""
+    rng = random.Random(seed)
+    kinds = [*FAULT_TYPES, *FAULT_TYPES][:count]
+    kinds += rng.sample(FAULT_TYPES, count - len(kinds))
+    rng.shuffle(kinds)
+    items = []
+    for index, kind in enumerate(kinds):
+        step = 8 + index * (NUM_STEPS - 20) // count + rng.randrange(4)
+        rank = 0 if SAVE_FAULTS.get(kind) in RANK_0_SAVE_POINTS else rng.randrange(2)
+        items.append(f"{kind}@{step}:rank={rank}")
+    return ", ".join(items)
+
+
+def _train_run(client, experiment: str, run_id: str):
+    found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
+                               filter_string=f"tags.pipeline_run_id = '{run_id}' and tags.pipeline_step = 'train'")
+    return found[0] if found else None
+
+
+def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.local_stack import MlflowServer
+
+    schedule = seeded_schedule()
+    assert {item.split("@")[0] for item in schedule.split(", ")} == set(FAULT_TYPES)
+    work = tmp_path / "work"
+    work.mkdir()
+    server = MlflowServer(tmp_path / "mlflow").start()
+    try:
+        command = [sys.executable, "-m", "pipelines", "run", "--config", "local", f"--run.work_dir={work}",
+                   "--run.run_id=soak", *TRAINING, f"--faults.schedule={schedule}",
+                   f"--mlflow.tracking_uri={server.tracking_uri}", "--mlflow.forward_interval_seconds=3"]
+        log_path = tmp_path / "pipeline.out"
+        with log_path.open("w") as out:
+            pipeline = subprocess.Popen(command, cwd=work, stdout=out, stderr=subprocess.STDOUT,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # While it trains: the train run already has loss points and a recovery.
+        client = MlflowClient(server.tracking_uri)
+        deadline, live = time.monotonic() + 400, None
+        while time.monotonic() < deadline and pipeline.poll() is None:
+            run = client.get_experiment_by_name("resilient-train-local") and _train_run(
+                client, "resilient-train-local", "soak")
+            if run is not None and run.data.metrics.get("recoveries", 0) >= 1 and "loss" in run.data.metrics:
+                live = {"loss_points": len(client.get_metric_history(run.info.run_id, "loss")),
+                        "recoveries": run.data.metrics["recoveries"], "status": run.info.status}
+                break
+            time.sleep(2)
+        assert live is not None, "MLflow never showed the training while it ran: " + log_path.read_text()[-3000:]
+        assert live["status"] == "RUNNING" and live["loss_points"] > 0
+
+        server.stop()  # an outage in mid-training: the spool keeps everything
+        time.sleep(25)
+        assert pipeline.poll() is None, "training should outlive the tracking server"
+        server.start()
+        returncode = pipeline.wait(timeout=1500)
+        output = log_path.read_text()
+        assert returncode == 0, output[-5000:]
+
+        run_dir = work / "fsx" / "runs" / "soak"
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["status"] == "succeeded" and summary["steps_trained"] == NUM_STEPS
+        assert summary["mlflow_pending_records"] == 0 and summary["mlflow_rejected_records"] == 0
+        assert job_processes(str(run_dir), RUN_DIR_ENV) == []  # nothing of the job outlives it
+
+        # Every fault fired once and left a record: a recovery naming it, or why none was needed.
+        faults = read_events(run_dir, "fault")
+        assert sorted(f["key"] for f in faults) == sorted(schedule.split(", "))
+        recorded = {k for r in read_events(run_dir, "recovery") for k in r["fault_keys"]}
+        recorded |= {e["fault_key"] for e in read_events(run_dir) if e["event"] in ("fault_absorbed", "checkpoint_failed")}
+        assert [f["key"] for f in faults if f["key"] not in recorded] == []
+        assert read_events(run_dir, "gave_up") == []
+
+        # MLflow after the outage: one loss point per metrics.jsonl line, each with its value.
+        lines = read_jsonl(run_dir / "metrics.jsonl")
+        train = _train_run(client, "resilient-train-local", "soak")
+        assert train.info.status == "FINISHED"
+        history = client.get_metric_history(train.info.run_id, "loss")
+        assert sorted((m.step, m.timestamp, m.value) for m in history) == \
+            sorted((r["step"], int(r["time"] * 1000), r["loss"]) for r in lines)
+        assert train.data.metrics["recoveries"] == len(read_events(run_dir, "recovery"))
+
+        # A clean run of the same training on the same staged data: every loss bit-identical, replays included.
+        data_dir = work / "fsx" / "datasets" / "demo"
+        clean = load_config("local", [f"--run.work_dir={tmp_path / 'clean'}", "--run.run_id=clean", *TRAINING,
+                                      "--faults.schedule=", f"--checkpoint.memory_dir={tmp_path}/clean-memory"])
+        run_local_training(clean, data_dir)
+        clean_losses = {r["step"]: r["loss"] for r in read_jsonl(clean.run_dir / "metrics.jsonl")}
+        assert all(r["loss"] == clean_losses[r["step"]] for r in lines)
+        assert summary["final_train_loss"] == clean_losses[NUM_STEPS]
+        heldout = evaluate_checkpoint(clean.checkpoint_dir / f"step-{NUM_STEPS:06d}", data_dir,
+                                      seq_len=clean.training.seq_len, batch_size=clean.eval.batch_size,
+                                      max_batches=clean.eval.max_batches)["heldout_loss"]
+        assert summary["heldout_loss"] == heldout
+    finally:
+        server.stop()
