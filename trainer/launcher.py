@@ -40,9 +40,9 @@ from trainer.checkpoint.node_store import NODE_STORE_ENV, owner_name, remove_dea
 from trainer.lease import GENERATION_ENV
 from trainer.parent_watch import forked_children_die_with_this_process, watch_parent
 from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, read_gave_up
+from trainer.resilience.nvrx_compat import FT_LAUNCHER_MODULE, quiet_health_checks_without_gpu, runtime_launcher_args
 from trainer.run_dir import RunDir
 from trainer.system_metrics import SystemMetricsSampler, nvml
-from trainer.resilience.nvrx_compat import FT_LAUNCHER_MODULE, quiet_health_checks_without_gpu, runtime_launcher_args
 from trainer.warm_start import WARM_START_ENV, wait_until_serving
 
 LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.run"}

@@ -4,6 +4,7 @@ the planner's costs, plots and train.log, so a failed run explains itself in MLf
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -24,18 +25,23 @@ from trainer.planning.measured import measured_costs
 from trainer.resilience.budget import read_gave_up
 from trainer.run_dir import RunDir
 
+log = logging.getLogger(__name__)
 
 def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
     run_dir = RunDir(cfg.run_dir)
     started = time.time()
     with step_context(cfg, "train", one_per_pipeline_run=True) as (mlflow, run):
-        result: dict[str, Any] | None = None
         try:
             with RunFolderForwarder(mlflow, run, cfg.run_dir, cfg.mlflow.forward_interval_seconds):
                 result = (run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled
                           else run_local_training(cfg, Path(data_dir)))
-        finally:  # what MLflow must hold either way; a failure's reason is tagged by step_context
-            log_outcome(mlflow, run, cfg, result if result is not None else failed_report(cfg, started))
+        except BaseException:  # MLflow gets what the failed training left; step_context tags the reason
+            try:
+                log_outcome(mlflow, run, cfg, failed_report(cfg, started))
+            except Exception:  # noqa: BLE001 - the training's own error is the one to raise
+                log.exception("could not log the failed training's outcome to MLflow")
+            raise
+        log_outcome(mlflow, run, cfg, result)
         checkpoints = checkpoint_metric_records(cfg.run_dir)
         stalls = [c["checkpoint_loop_wait_seconds"] for c in checkpoints]
         result["checkpoint_saves"] = len(stalls)
