@@ -58,6 +58,26 @@ def test_the_budget_gives_up_once_and_names_the_step_the_fault_and_the_layer(tmp
     _budget(tmp_path, generation=2).start()
 
 
+def test_separate_launches_have_separate_budgets(tmp_path, monkeypatch):
+    """Two torchrun invocations by hand (tests/tier_harness.py resumes the same state again and again) are two
+    launches: resuming at the same step in each is no crash loop. Restarts inside one invocation do count."""
+    monkeypatch.delenv("RESILIENT_TRAIN_BUDGET_SINCE", raising=False)
+    events = EventLog(tmp_path, 0)
+    for invocation in range(4):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"standalone-{invocation}")
+        budget = _budget(tmp_path)
+        budget.start()
+        events.write("resume", step=7, source="memory", path=None)
+        budget.check(7)
+    for _ in range(2):  # the same invocation restarting its workers, resuming at 7 every time
+        _budget(tmp_path).start()
+        events.write("resume", step=7, source="memory", path=None)
+    third = _budget(tmp_path)
+    third.start()
+    with pytest.raises(RestartBudgetExhausted):
+        third.check(7)
+
+
 def test_a_schedule_item_that_could_never_fire_is_refused():
     for item, why in (("kill_before_rename@141:rank=1", "only rank 0 commits"),
                       ("sigkill@5:rank=2", "rank 2 does not exist"),

@@ -22,8 +22,9 @@ restart count is kept out of the way) when it sees ``gave_up.json`` of its gener
 does not relaunch it, and on EKS the Job's podFailurePolicy turns it into a failed Job and the JobSet's
 failure policy into a failed JobSet; every other exit restarts.
 
-The history a decision reads starts at the train step's launch (``BUDGET_SINCE_ENV``) or at the last
-give-up, whichever is later: a new launch after a fix starts with a full budget.
+The history a decision reads is this launch's (``launch_scope``: the train step's launch, a TrainJob with its
+gang restarts, one torchrun/ft_launcher invocation, or one process), since the last give-up: a new launch
+after a fix starts with a full budget.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 # The one exit code that means "do not restart me" — Kubernetes' own podFailurePolicy example uses 42 for a
 # non-retriable failure; nothing else in the stack (Python, torch elastic, NVRx, the shell) exits with it.
 CRASH_LOOP_EXIT_CODE = 42
-BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # the launch whose attempts the budget counts (epoch seconds)
+BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # set by the train step: its launch's start (epoch seconds)
 LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
 JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
 
@@ -110,11 +111,22 @@ def no_progress_streak(resumed_steps: list[int | None], current: int | None) -> 
     return streak
 
 
-def attempt_history(run_dir: Path, since: float) -> list[Attempt]:
-    """Attempts recorded since `since` (rank 0's events), each with its resume and its last fault."""
+def launch_scope() -> str:
+    """The launch whose attempts share one budget: the pipeline's train step (every relaunch and, on EKS,
+    every gang restart of its TrainJob carry BUDGET_SINCE_ENV), else one torchrun or ft_launcher invocation
+    (TORCHELASTIC_RUN_ID: its restarts count, a new invocation starts afresh), else this process."""
+    if os.environ.get(BUDGET_SINCE_ENV):
+        return f"step:{os.environ[BUDGET_SINCE_ENV]}"
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"process:{os.getpid()}"
+
+
+def attempt_history(run_dir: Path, since: float, scope: str | None = None) -> list[Attempt]:
+    """Attempts recorded since `since` (rank 0's events; of one launch_scope when given), each with its resume
+    and its last fault."""
     run_dir = RunDir(run_dir)
     own = read_jsonl(run_dir.events_of(0))
-    starts = [e for e in own if e.get("event") == "attempt" and e["time"] >= since]
+    starts = [e for e in own if e.get("event") == "attempt" and e["time"] >= since
+              and (scope is None or e.get("scope") == scope)]
     resumes = [e for e in own if e.get("event") == "resume"]
     faults = read_events(run_dir.path, "fault")
     attempts = []
@@ -132,10 +144,9 @@ def read_gave_up(run_dir: Path) -> dict[str, Any] | None:
 
 
 def budget_since(run_dir: Path) -> float:
-    """Where the counted history starts: this launch (the step's), or after the last give-up."""
-    since = float(os.environ.get(BUDGET_SINCE_ENV) or 0.0)
+    """Where the counted history starts: after the last give-up (a new launch after a fix starts afresh)."""
     gave_up = read_gave_up(run_dir)
-    return max(since, gave_up["time"]) if gave_up else since
+    return gave_up["time"] if gave_up else 0.0
 
 
 def _fault_text(fault: dict[str, Any] | None) -> str:
@@ -179,7 +190,8 @@ class RestartBudget:
             # This launch gave up already; ft_launcher restarted us before trainer.launcher stopped it.
             raise RestartBudgetExhausted(gave_up["message"])
         if self.rank == 0:
-            self.events.write("attempt", layer=self.layer, pid=os.getpid(), generation=self.generation)
+            self.events.write("attempt", layer=self.layer, pid=os.getpid(), generation=self.generation,
+                              scope=launch_scope())
         self.check(None)
 
     def check(self, resumed_step: int | None) -> None:
@@ -197,7 +209,7 @@ class RestartBudget:
         raise RestartBudgetExhausted(message)
 
     def _verdict(self, resumed_step: int | None) -> tuple[str, str] | None:
-        attempts = attempt_history(self.run_dir.path, budget_since(self.run_dir.path))
+        attempts = attempt_history(self.run_dir.path, budget_since(self.run_dir.path), launch_scope())
         ended = [a for a in attempts[:-1] if not a.escalated]  # the last one is this attempt
         streak = no_progress_streak([a.resumed_step for a in ended], resumed_step)
         if streak >= self.limit:
