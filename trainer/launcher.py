@@ -78,14 +78,20 @@ def start_fork_server() -> tuple[subprocess.Popen, Path]:
 
 class GiveUpWatch:
     """Polls the run folder for the restart budget's give-up of this launch, then stops the launcher the way a
-    SIGTERM does (ft_launcher and torchrun stop their workers and raise); `fired` says why it stopped."""
+    SIGTERM does (ft_launcher and torchrun stop their workers and raise SignalException), again every
+    `resend_seconds` until the launcher has returned: the exception a signal raises can be swallowed where it
+    lands (seen: inside a logging handler's write, which reports and drops it), and the launcher would go on
+    restarting workers that exit 42 at once."""
 
-    def __init__(self, run_dir: Path, generation: int | None, interval_seconds: float = 1.0):
+    def __init__(self, run_dir: Path, generation: int | None, interval_seconds: float = 1.0,
+                 resend_seconds: float = 5.0):
         self.run_dir = run_dir
         self.generation = generation
         self.started = time.time()
         self.interval_seconds = interval_seconds
+        self.resend_seconds = resend_seconds
         self.fired: dict | None = None
+        self.done = threading.Event()  # set once the launcher returned: no more signals
 
     def matches(self, record: dict | None) -> bool:
         if record is None:
@@ -94,19 +100,26 @@ class GiveUpWatch:
             return record.get("generation") == self.generation
         return record.get("time", 0) >= self.started
 
+    def stop(self) -> None:
+        """The launcher returned (main thread): no more signals, and none still in flight may interrupt the exit."""
+        self.done.set()
+        if self.fired is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
     def start(self) -> "GiveUpWatch":
         threading.Thread(target=self._run, name="give-up-watch", daemon=True).start()
         return self
 
     def _run(self) -> None:
-        while self.fired is None:
-            time.sleep(self.interval_seconds)
+        while self.fired is None and not self.done.wait(self.interval_seconds):
             record = read_gave_up(self.run_dir)
             if self.matches(record):
                 self.fired = record
                 print(f"trainer.launcher: the restart budget gave up; stopping the launch: {record['message']}",
                       file=sys.stderr, flush=True)
-                os.kill(os.getpid(), signal.SIGTERM)
+        while self.fired is not None and not self.done.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.done.wait(self.resend_seconds)
 
 
 def parse_options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
@@ -154,9 +167,13 @@ def main(argv: list[str]) -> None:
         with metrics:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     except BaseException:  # ft_launcher's SignalException after the watch's SIGTERM, torchrun's ChildFailedError, ...
+        if give_up is not None:
+            give_up.stop()
         if give_up is None or not give_up.matches(read_gave_up(run_dir)):
             raise
     finally:
+        if give_up is not None:
+            give_up.stop()
         if server is not None:
             server.kill()
             shutil.rmtree(server_folder, ignore_errors=True)

@@ -110,3 +110,35 @@ def test_at_cluster_scale_a_fixed_count_dies_and_the_progress_rule_survives():
     assert survival["by_progress"][3] > 0.9999
     assert pod_restart_budget(costs, 30) == 76
     assert poisson_cdf(2, 1.0) == pytest.approx(0.9196986, abs=1e-6)
+
+
+def test_the_launchers_watch_signals_again_when_a_stop_was_swallowed(tmp_path):
+    """A SIGTERM's exception can be swallowed where it lands (seen in CI: inside ft_launcher's logging
+    handler, which reported and dropped it — and the launcher went on restarting workers that exit 42 at once).
+    The watch signals again until the launcher has returned."""
+    import signal
+    import time
+
+    from trainer.launcher import GiveUpWatch
+    from trainer.run_dir import RunDir, write_json
+
+    received = []
+
+    def swallow_the_first(signum, frame):
+        received.append(signum)
+        if len(received) == 2:
+            raise KeyboardInterrupt  # stands in for ft_launcher's SignalException
+
+    previous = signal.signal(signal.SIGTERM, swallow_the_first)
+    write_json(RunDir(tmp_path).gave_up, {"generation": 5, "time": time.time(), "message": "crash loop"})
+    watch = GiveUpWatch(tmp_path, 5, interval_seconds=0.05, resend_seconds=0.2).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+    finally:
+        watch.stop()
+        signal.signal(signal.SIGTERM, previous)
+    assert received == [signal.SIGTERM, signal.SIGTERM]
+    assert watch.matches({"generation": 5}) and not watch.matches({"generation": 4})
