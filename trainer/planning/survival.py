@@ -63,7 +63,7 @@ def job_survival(costs: Costs, days: float, recovery_seconds: float, fixed=FIXED
                  limits=PROGRESS_LIMITS) -> dict:
     """{"expected_faults", "no_progress_probability", "fixed": {B: p}, "by_progress": {L: p}}."""
     if not (days > 0 and recovery_seconds > 0):
-        raise PlanError("days (--days) and recovery_seconds must be > 0")
+        raise PlanError(f"days (--work-days): must be > 0, got {days!r}; recovery_seconds must be > 0")
     mean = expected_faults(costs, days)
     p = no_progress_probability(costs, recovery_seconds)
     return {"days": days, "expected_faults": mean, "recovery_seconds": recovery_seconds, "no_progress_probability": p,
