@@ -62,9 +62,11 @@ def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     server = MlflowServer(tmp_path / "mlflow").start()
+    pipeline = None
     try:
         command = [sys.executable, "-m", "pipelines", "run", "--config", "local", f"--run.work_dir={work}",
                    "--run.run_id=soak", *TRAINING, f"--faults.schedule={schedule}",
+                   f"--checkpoint.memory_dir={tmp_path}/node-memory",
                    f"--mlflow.tracking_uri={server.tracking_uri}", "--mlflow.forward_interval_seconds=3"]
         log_path = tmp_path / "pipeline.out"
         with log_path.open("w") as out:
@@ -128,4 +130,9 @@ def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
                                       max_batches=clean.eval.max_batches)["heldout_loss"]
         assert summary["heldout_loss"] == heldout
     finally:
+        if pipeline is not None and pipeline.poll() is None:  # a failed assertion must not leave it training
+            pipeline.kill()
+            pipeline.wait()
+            for proc in job_processes(str(work / "fsx" / "runs" / "soak"), RUN_DIR_ENV):
+                proc.kill()
         server.stop()
