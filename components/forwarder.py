@@ -15,8 +15,9 @@ Forwarded, each from its file in the run folder and each point with its own time
 - ``system/<node>.jsonl`` — each training node's system metrics as ``system/<node>/<metric>``.
 
 Exactly once, through the spool (components.tracking): the forwarder's read positions (byte offsets of
-whole lines) are journaled with the rows they produced, so a retried step or a restarted forwarder goes on
-where the journal stopped, and an MLflow outage only delays delivery.
+whole lines), and the commits it read that still wait for another rank's stall line, are saved with the rows
+they produced, so a retried step or a restarted forwarder goes on where the journal stopped, and an MLflow
+outage only delays delivery.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class RunFolderForwarder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one pass at a time (the thread's, the last one's)
-        self.cursor: dict[str, int] = tracker.forwarded_cursor()
+        saved = tracker.forwarded_cursor()
+        self.cursor: dict[str, int] = saved.get("offsets", {})  # file (relative to the run folder) -> bytes read
         self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> loop wait, handoff (worst rank wins)
         self._handoffs: dict[int, dict[int, float]] = {}
-        self._pending_commits: list[dict[str, Any]] = []
+        self._pending_commits: list[dict[str, Any]] = saved.get("pending_commits", [])  # read, waiting for stalls
         self._recoveries: list[dict[str, Any]] = []
         self._recovery_count = 0
         self._replayed_history = False
@@ -99,7 +101,8 @@ class RunFolderForwarder:
                           int(s["sample"])] for s in samples for key, value in s.items() if key.startswith("system/")]
             new_recoveries = [e for e in events if e.get("event") == "recovery"]
             if rows or cursor != self.cursor:
-                self.tracker.forward(self.run, rows, cursor)
+                # Commits read but waiting for a stall line go with the positions: a restarted forwarder has them.
+                self.tracker.forward(self.run, rows, {"offsets": cursor, "pending_commits": self._pending_commits})
                 self.cursor = cursor
             if new_recoveries:
                 self._recoveries += new_recoveries

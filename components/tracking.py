@@ -102,7 +102,7 @@ class Tracker:
         self._record({"op": "start_run", "run": key, "step": step, "tags": {}, "params": {}})
         return key
 
-    def forward(self, run: str, rows: list[list], cursor: dict[str, int]) -> None:
+    def forward(self, run: str, rows: list[list], cursor: dict[str, Any]) -> None:
         """Journal rows forwarded from the run folder together with the read positions after them (one lock, one
         fsync): a restarted forwarder resumes from forwarded_cursor() and sends nothing twice. Rows journaled
         again after a crash between the two writes are dropped by MLflow (same key, value, step and time)."""
@@ -116,7 +116,7 @@ class Tracker:
         if rows:
             self.flush()
 
-    def forwarded_cursor(self) -> dict[str, int]:
+    def forwarded_cursor(self) -> dict[str, Any]:
         return read_json(self.spool / "forwarded.json") or {}
 
     def log_metrics(self, run: str, records: Iterable[dict[str, float]], step_key: str = "step") -> int:

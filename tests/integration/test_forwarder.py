@@ -86,6 +86,7 @@ def test_commits_wait_for_every_ranks_stall_and_recoveries_make_a_table(tracked)
     forwarder.forward()  # rank 1's stall is not in yet: the commit waits
     assert _history(tracker, run, "checkpoint_loop_wait_seconds") == []
     rank1.write("checkpoint_stall", step=5, loop_wait_seconds=0.7, handoff_seconds=0.3)
+    forwarder = RunFolderForwarder(tracker, run, run_dir)  # a retried step: the waiting commit is not lost
     rank0.write("recovery", first_step=7, fault_key="sigkill@6:rank=1", fault_keys=["sigkill@6:rank=1"],
                 recovery_seconds=1.5, lost_steps=0, reload_seconds=0.1)
     forwarder.forward()
