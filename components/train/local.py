@@ -49,6 +49,11 @@ class CrashLoop(TrainingError):
     """The restart budget gave up: recoveries stopped making progress. Never relaunched; the message says where."""
 
 
+class TrainingTimeout(TrainingError):
+    """A launch ran past training.timeout_seconds: a deadline, so never relaunched (as activeDeadlineSeconds ends a
+    TrainJob on EKS)."""
+
+
 def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
     """ft_launcher (in-job restarts, hang detection) or plain torchrun, on this machine, through
     trainer.launcher so that nothing it starts outlives it."""
@@ -79,7 +84,7 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
             try:
                 _launch_once(cfg, config_path, data_dir, attempt, lease.new_generation(), budget_since=started)
                 break
-            except CrashLoop:
+            except (CrashLoop, TrainingTimeout):
                 raise
             except TrainingError as err:
                 empty_launches = empty_launches + 1 if len(attempt_history(run_dir.path, started)) == attempts_before else 0
@@ -190,8 +195,8 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
             returncode = proc.wait(timeout=cfg.training.timeout_seconds)
         except subprocess.TimeoutExpired as err:
             stop_job(proc, token)
-            raise TrainingError(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; every "
-                                f"training process was stopped; log: {log_path}") from err
+            raise TrainingTimeout(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; every "
+                                  f"training process was stopped; log: {log_path}") from err
         finally:
             stop_job(proc, token)  # after an exit, a cancel or a timeout: nothing of this launch outlives it
             reader.join(timeout=10)

@@ -218,7 +218,8 @@ class TrainingConfig:
     """Serve Prometheus /metrics from each training process on this port + LOCAL_RANK (0 = off)."""
 
     timeout_seconds: int = 3600
-    """Wall-clock limit for the whole training launch; the step fails when it is exceeded."""
+    """Wall-clock limit for one training launch; the step fails when it is exceeded (a deadline: not relaunched;
+    on EKS the TrainJob's activeDeadlineSeconds)."""
 
     def __post_init__(self) -> None:
         require(0 <= self.prometheus_port <= 65535 - 64, "training.prometheus_port", "must be in [0, 65471]")
