@@ -21,6 +21,17 @@ at a random step):
 Faults: exception, hang (ft_launcher's heartbeat timeout detects it), sigkill (one rank), node_loss (one
 rank SIGKILLed and its node memory wiped).
 
+Node loss with real nodes (training.num_nodes=2, one rank each, a launcher per node, the node memory tier
+every step with its replica waited; the node_loss drill kills node 1's launcher and workers and wipes its
+memory; docs/node-loss.md):
+- whole_job_restart: as the EKS runtime handled it before per-index replacement (local.node_loss=
+  restart_job): every node is stopped and the job relaunched, state from FSx;
+- node_replacement: only node 1 is replaced (local.node_replacement_delay_seconds=0: the cost of the
+  platform, not of finding a machine), node 0 keeps running; state from node 0's memory and the replica.
+``fsx_bytes_read`` is what the recoveries read from checkpoint folders (every rank's, the recovery record's).
+
+    .venv/bin/python bench/recovery.py --mechanisms whole_job_restart,node_replacement --throughput-samples 0 --merge
+
 Throughput of the memory tier: clean runs without FSx saves (only the final one), alternating memory tier
 off / node memory only / node memory + peer replica, --throughput-samples times each; the ratio is the
 median over samples of each run's median step-to-step time, off over on.
@@ -30,6 +41,7 @@ Writes bench/results/recovery.json.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import statistics
@@ -62,6 +74,16 @@ MECHANISMS = {
     "ft_launcher_memory": ([*IN_JOB, *MEMORY], list(FAULTS)),
     "ft_launcher_memory_replica_wait": ([*IN_JOB, *MEMORY, "--checkpoint.peer_replica_wait=true"], ["node_loss"]),
 }
+NODES = ["--training.num_nodes=2", "--training.nproc_per_node=1", "--checkpoint.memory_interval_steps=1",
+         "--checkpoint.peer_replica=true", "--checkpoint.memory_node_per_rank=false",
+         "--checkpoint.peer_replica_wait=true", "--local.node_replacement_delay_seconds=0"]
+MECHANISMS.update({
+    "whole_job_restart": (["--resilience.job_restarts=1", "--local.node_loss=restart_job", *NODES], ["node_loss"]),
+    "node_replacement": ([*IN_JOB, "--local.node_loss=replace", *NODES], ["node_loss"]),
+})
+# Results kept per mechanism: --merge replaces only the mechanisms measured now.
+PER_MECHANISM = ("downtime_seconds", "in_run_downtime_seconds", "lost_steps", "reload_source", "clean_runs", "splits",
+                 "fsx_bytes_read")
 THROUGHPUT = {"off": NO_MEMORY, "node_memory": [*MEMORY, "--checkpoint.peer_replica=false"],
               "node_memory_and_peer": MEMORY}
 SPLIT = ("detect_and_teardown_seconds", "reinit_seconds", "reload_seconds", "first_step_seconds")
@@ -88,6 +110,9 @@ def goal_figures(downtime: dict[str, dict], heartbeat_timeout: float) -> dict[st
                              ("ft_launcher_memory_replica_wait", "node_loss")):
         if fault in downtime.get(mechanism, {}) and full.get(fault):
             goals[f"{mechanism}/{fault} over full_relaunch"] = downtime[mechanism][fault] / full[fault]
+    replaced, restarted = downtime.get("node_replacement", {}), downtime.get("whole_job_restart", {})
+    if restarted.get("node_loss") and "node_loss" in replaced:
+        goals["node_replacement/node_loss over whole_job_restart"] = replaced["node_loss"] / restarted["node_loss"]
     if "hang" in downtime.get("ft_launcher_memory", {}):
         goals["ft_launcher_memory/hang minus heartbeat_timeout"] = downtime["ft_launcher_memory"]["hang"] - heartbeat_timeout
     return goals
@@ -103,6 +128,9 @@ def main() -> int:
     parser.add_argument("--mechanisms", default=",".join(MECHANISMS), help="comma-separated subset")
     parser.add_argument("--throughput-samples", type=int, default=3, help="clean runs per memory-tier setting")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "recovery.json")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other mechanisms' figures already in --output (each measured side by side "
+                             "with its own clean runs)")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
@@ -133,6 +161,7 @@ def main() -> int:
         splits: dict[str, dict] = {}
         clean: dict[str, dict] = {}
         in_run: dict[str, dict] = {}  # the same downtime, from each run's recovery events
+        fsx_bytes_read: dict[str, dict] = {}
         for mechanism in args.mechanisms.split(","):
             flags, faults = MECHANISMS[mechanism]
             before, before_dir = run(mechanism, flags, None)
@@ -143,7 +172,7 @@ def main() -> int:
                                 "median_step_seconds": [_median_step_seconds(before_dir),
                                                         _median_step_seconds(after_dir)]}
             downtime[mechanism], lost[mechanism], source[mechanism], splits[mechanism] = {}, {}, {}, {}
-            in_run[mechanism] = {}
+            in_run[mechanism], fsx_bytes_read[mechanism] = {}, {}
             for fault, (wall, run_dir) in faulty.items():
                 recoveries = read_events(run_dir, "recovery")
                 launches = read_events(run_dir, "launch")
@@ -151,6 +180,7 @@ def main() -> int:
                 in_run[mechanism][fault] = in_run_downtime(
                     recoveries, statistics.mean(clean[mechanism]["median_step_seconds"]))
                 lost[mechanism][fault] = sum(r["lost_steps"] or 0 for r in recoveries)
+                fsx_bytes_read[mechanism][fault] = sum(r.get("fsx_bytes_read") or 0 for r in recoveries)
                 source[mechanism][fault] = ",".join(r["reload_source"] for r in recoveries) or None
                 splits[mechanism][fault] = [{"mechanism": r["mechanism"], **{k: r[k] for k in SPLIT},
                                              "recovery_seconds": r["recovery_seconds"]} for r in recoveries]
@@ -160,7 +190,17 @@ def main() -> int:
             log.info("%s: downtime %s", mechanism, downtime[mechanism])
 
         figures: dict = {"downtime_seconds": downtime, "in_run_downtime_seconds": in_run, "lost_steps": lost,
-                         "reload_source": source, "clean_runs": clean, "splits": splits}
+                         "reload_source": source, "clean_runs": clean, "splits": splits,
+                         "fsx_bytes_read": fsx_bytes_read}
+        if args.merge and args.output.is_file():
+            earlier = json.loads(args.output.read_text())
+            for key in PER_MECHANISM:
+                figures[key] = {**earlier.get(key, {}), **figures[key]}
+            downtime, in_run = figures["downtime_seconds"], figures["in_run_downtime_seconds"]
+            lost, source = figures["lost_steps"], figures["reload_source"]
+            kept = {k: v for k, v in earlier.items() if k not in (*PER_MECHANISM, "command", "measured_at", "machine")}
+            figures = {**kept, **figures,
+                       "earlier_commands": [*earlier.get("earlier_commands", []), earlier.get("command")]}
         memory = splits.get("ft_launcher_memory", {}).get("sigkill")
         if memory:
             figures["reinit_seconds"] = memory[0]["reinit_seconds"]

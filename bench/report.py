@@ -42,8 +42,10 @@ SEED_COSTS = dict(
     memory_reload_seconds=5.0,
     # NVRx's published recovery times: in-process ~10 s, in-job (ft_launcher) ~17 s, job-level ~270 s on EKS.
     in_process_restart_seconds=10.0, restart_seconds=17.0, job_restart_seconds=270.0,
-    # A spare node already in the node group: pod scheduling with the image cached.
-    replacement_seconds=90.0,
+    # A lost node's replacement once its pod has a machine (bench/recovery.py, node_replacement: the new launcher,
+    # rendezvous and the peer's transfer on CPU; a GPU node adds NCCL set-up), and the wait for that machine: a
+    # warm spare's preemption and start (manifests/components/warm-spares).
+    replacement_seconds=10.0, spare_wait_seconds=60.0,
 )
 NODE_MTBF_HOURS = round(2048 * 54 * 24 / 419)  # Llama 3: 419 unexpected interruptions, 54 days, 2,048 nodes
 ANCHORS = [

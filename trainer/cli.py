@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             finished = True
         finally:
             # After a fault the peers may be gone: the save in flight is dropped, not waited for.
-            trainer.close(wait_for_checkpoint=finished or attempt is None)
+            trainer.close(wait_for_checkpoint=finished or attempt is None, peers_alive=finished)
 
     try:
         if cfg.resilience.in_process:

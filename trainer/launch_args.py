@@ -30,6 +30,26 @@ STARTUP_SECONDS, STARTUP_SECONDS_PER_GPU = 60.0, 0.5
 SAFETY_FACTOR = 1.5
 # --max-restarts when the progress rule alone bounds restarts: what stops a crash loop is exit code 42.
 UNCOUNTED_RESTARTS = 1_000_000
+# The rendezvous store's port: its own process locally, the runtime's `rendezvous` pod on EKS
+# (trainer.rendezvous_store), never a training node, so the rendezvous outlives any node's loss.
+RENDEZVOUS_PORT = 29400
+RENDEZVOUS_JOB = "rendezvous"
+
+
+def rendezvous_endpoint_of(job_name: str) -> str:
+    """The TrainJob's rendezvous pod: JobSet names a pod <jobset>-<replicated job>-<job index>-<pod index> and
+    serves it as <that>.<subdomain>, the subdomain defaulting to the JobSet's name (the TrainJob's)."""
+    return f"{job_name}-{RENDEZVOUS_JOB}-0-0.{job_name}:{RENDEZVOUS_PORT}"
+
+
+def rendezvous_args(cfg: Config, endpoint: str, run_id: str) -> list[str]:
+    """c10d rendezvous on the job's own store (is_host=false: no launcher hosts it). Every round waits
+    replacement_timeout_seconds for the nodes of a multi-node job — after a node's loss, for its replacement —
+    before the launchers give up (trainer.launcher: exit code 43, the whole job restarts)."""
+    r = cfg.resilience
+    timeout = r.replacement_timeout_seconds if cfg.training.num_nodes > 1 else r.rendezvous_timeout
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf=join_timeout={int(timeout)},is_host=false", f"--nnodes={cfg.training.num_nodes}"]
 
 
 def parameter_count(preset: str, vocab_size: int) -> int:
@@ -77,10 +97,11 @@ def node_memory_gib(cfg: Config, data_dir: Path | None = None) -> int:
 
 
 def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, *, job_name: str | None = None,
-                    python: str | None = None) -> list[str]:
-    """The launcher and trainer command line. job_name=None: every rank on this machine (--standalone);
-    else a TrainJob's node, where the Trainer's torch plugin sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR
-    and PET_MASTER_PORT (read by both launchers) and Kubernetes expands $(VAR) in the command."""
+                    python: str | None = None, rendezvous_endpoint: str | None = None) -> list[str]:
+    """The launcher and trainer command line of one node. job_name=None: on this machine — every rank
+    (--standalone), or, with rendezvous_endpoint, one of training.num_nodes local nodes; else a TrainJob's node,
+    where the Trainer's torch plugin sets PET_NNODES and PET_NODE_RANK (the node's index, kept by its
+    replacement) and the rendezvous is the job's rendezvous pod."""
     r = cfg.resilience
     # The launchers' own restart counts stay out of the way of the progress rule (trainer.resilience.budget)
     # unless a count is configured.
@@ -91,16 +112,19 @@ def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, 
                                               node_health_check_endpoint=r.node_health_check_endpoint)
     else:
         flags = [f"--max-restarts={max_restarts}"]
-    if job_name is None:
+    if job_name is not None:
+        rendezvous = rendezvous_args(cfg, rendezvous_endpoint_of(job_name), job_name)
+    elif rendezvous_endpoint is not None:
+        rendezvous = rendezvous_args(cfg, rendezvous_endpoint, cfg.run.run_id)
+    else:
         rendezvous = ["--standalone"]
-    else:  # node rank 0 hosts the store: trainer.launcher adds is_host from PET_NODE_RANK
-        rendezvous = ["--rdzv-backend=c10d", "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-                      f"--rdzv-id={job_name}", f"--rdzv-conf=join_timeout={int(r.rendezvous_timeout)}"]
     ckpt = cfg.checkpoint
     options = ([f"--node-store={Path(ckpt.memory_dir) / cfg.run.run_id}"]
                if ckpt.enabled and ckpt.memory_interval_steps else [])
     options += ["--fork-server"] if r.warm_start else []
     options.append(f"--run-dir={cfg.run_dir}")  # system metrics, and a stop when the restart budget gives up
+    if job_name is not None and cfg.kubernetes.gpus_per_node:  # a TrainJob's node joins only when healthy
+        options.append(f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}")
     # ft_launcher rejects --nproc-per-node=auto: always explicit.
     return [python or sys.executable, "-m", "trainer.launcher", *options, r.launcher, *flags, *rendezvous,
             f"--nproc-per-node={cfg.training.nproc_per_node}", "-m", "trainer", "--config", str(config_path),

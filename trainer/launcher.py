@@ -16,10 +16,15 @@ folders of launches on this node that are no longer alive. With --fork-server it
 server first (trainer.warm_start), so every worker — and every restarted one — starts as a fork of a process
 that has already imported the trainer.
 
+With --check-node=GPUS,EFA it first checks the node (trainer.node_health) and exits 44 when it is not fit.
 With --run-dir it samples this node's system metrics into ``<run_dir>/system/node-<rank>.jsonl`` (the train
 step forwards them to MLflow), and it ends the launch with exit code 42 when the restart budget gave up
 (``<run_dir>/gave_up.json`` of this launch's lease generation; trainer.resilience.budget): ft_launcher's own
 restart count is kept out of the way, so this is what stops a crash loop at this layer.
+
+In a multi-node job it is the node: its exit code says what becomes of it (trainer.node_lifecycle) — 43 when
+its rendezvous waited resilience.replacement_timeout_seconds for a lost node's replacement in vain (the whole
+job restarts); every process it starts carries the node's token, so the node_loss drill can end them all.
 """
 
 import contextlib
@@ -32,15 +37,21 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 
 from trainer.checkpoint.node_store import NODE_STORE_ENV, owner_name, remove_dead_owners
 from trainer.lease import GENERATION_ENV
+from trainer.node_health import NODE_UNHEALTHY_EXIT_CODE, node_problems
+from trainer.node_lifecycle import (NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_TOKEN_ENV,
+                                    REPLACEMENT_TIMEOUT_EXIT_CODE)
+from trainer.rendezvous_store import report_finished
 from trainer.parent_watch import forked_children_die_with_this_process, watch_parent
 from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, read_gave_up
-from trainer.resilience.nvrx_compat import FT_LAUNCHER_MODULE, quiet_health_checks_without_gpu, runtime_launcher_args
+from trainer.resilience.nvrx_compat import (FT_LAUNCHER_MODULE, quiet_health_checks_without_gpu, runtime_launcher_args,
+                                            stable_node_rank)
 from trainer.run_dir import RunDir
 from trainer.system_metrics import SystemMetricsSampler, nvml
 from trainer.warm_start import WARM_START_ENV, wait_until_serving
@@ -49,8 +60,9 @@ LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.r
 NODE_STORE_OPTION = "--node-store="
 FORK_SERVER_OPTION = "--fork-server"
 RUN_DIR_OPTION = "--run-dir="
+CHECK_NODE_OPTION = "--check-node="
 USAGE = (f"usage: python -m trainer.launcher [{NODE_STORE_OPTION}DIR] [{FORK_SERVER_OPTION}] [{RUN_DIR_OPTION}DIR] "
-         f"{{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
+         f"[{CHECK_NODE_OPTION}GPUS,EFA] {{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
 SYSTEM_METRICS_SECONDS = 10.0
 
 
@@ -133,6 +145,8 @@ def parse_options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
             options["node_store"] = arg[len(NODE_STORE_OPTION):]
         elif arg.startswith(RUN_DIR_OPTION):
             options["run_dir"] = arg[len(RUN_DIR_OPTION):]
+        elif arg.startswith(CHECK_NODE_OPTION):
+            options["check_node"] = arg[len(CHECK_NODE_OPTION):]
         else:
             sys.exit(f"{USAGE}\nunknown option {arg!r}")
     if not argv or argv[0] not in LAUNCHERS:
@@ -140,10 +154,41 @@ def parse_options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
     return options, argv
 
 
+def is_rendezvous_timeout(err: BaseException | None) -> bool:
+    """Whether err is, or was raised while handling, a RendezvousTimeoutError (torch's and NVRx's copy of
+    torch elastic each define one; ft_launcher turns it into sys.exit(1) inside its handler)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if any(kind.__name__ == "RendezvousTimeoutError" for kind in type(err).__mro__):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def external_store(args: list[str]) -> str | None:
+    """The rendezvous store's endpoint when no launcher hosts it (trainer.rendezvous_store)."""
+    if not any(a.startswith("--rdzv-conf=") and "is_host=false" in a for a in args):
+        return None
+    return next((a.split("=", 1)[1] for a in args if a.startswith("--rdzv-endpoint=")), None)
+
+
 def main(argv: list[str]) -> None:
     options, argv = parse_options(argv)
     watch_parent()
     forked_children_die_with_this_process()
+    os.environ.update({NODE_LAUNCHER_PID_ENV: str(os.getpid()), NODE_TOKEN_ENV: uuid.uuid4().hex,
+                       **stable_node_rank(os.environ)})
+    if options.get("check_node"):  # before joining: a broken machine fails here, and its pod is replaced
+        try:
+            gpus, efa = (int(n) for n in str(options["check_node"]).split(","))
+        except ValueError:
+            sys.exit(f"{USAGE}\n{CHECK_NODE_OPTION} takes GPUS,EFA (e.g. 8,32), not {options['check_node']!r}")
+        problems = node_problems(gpus, efa)
+        if problems:
+            print(f"trainer.launcher: node {os.environ.get(NODE_RANK_ENV, '?')} is not fit to train: "
+                  f"{'; '.join(problems)}", file=sys.stderr, flush=True)
+            sys.exit(NODE_UNHEALTHY_EXIT_CODE)
     store = server = None
     if options.get("node_store"):
         store = launch_node_store(Path(options["node_store"]))
@@ -161,14 +206,20 @@ def main(argv: list[str]) -> None:
     if run_dir is not None:
         generation = os.environ.get(GENERATION_ENV)
         give_up = GiveUpWatch(run_dir, int(generation) if generation else None).start()
-        node = f"node-{os.environ.get('PET_NODE_RANK', '0')}"
+        node = f"node-{os.environ.get(NODE_RANK_ENV, '0')}"
         metrics = SystemMetricsSampler(RunDir(run_dir).system_of(node), SYSTEM_METRICS_SECONDS)
+    store_endpoint = external_store(argv)
     try:
         with metrics:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except BaseException:  # ft_launcher's SignalException after the watch's SIGTERM, torchrun's ChildFailedError, ...
+    except BaseException as err:  # ft_launcher's SignalException after the watch's SIGTERM, ChildFailedError, ...
         if give_up is not None:
             give_up.stop()
+        if is_rendezvous_timeout(err) and not (give_up is not None and give_up.matches(read_gave_up(run_dir))):
+            print(f"trainer.launcher: node {os.environ.get(NODE_RANK_ENV, '?')}: the rendezvous timed out waiting for "
+                  f"every node ({err}); a lost node's replacement did not come in time: the whole job restarts "
+                  f"(exit code {REPLACEMENT_TIMEOUT_EXIT_CODE})", file=sys.stderr, flush=True)
+            sys.exit(REPLACEMENT_TIMEOUT_EXIT_CODE)
         if give_up is None or not give_up.matches(read_gave_up(run_dir)):
             raise
     finally:
@@ -181,6 +232,8 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(store, ignore_errors=True)
     if give_up is not None and give_up.matches(read_gave_up(run_dir)):
         sys.exit(CRASH_LOOP_EXIT_CODE)
+    if store_endpoint is not None:
+        report_finished(store_endpoint)
 
 
 if __name__ == "__main__":

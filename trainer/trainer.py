@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import logs
+from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import committed_checkpoints, step_dir_name
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.memory import MemoryTier
@@ -39,7 +40,7 @@ from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
 from trainer.model import build_model_on_meta, copy_initial_weights, load_or_build_model, materialize_on, shard_model
 from trainer.optimizer import build_optimizer, initialize_state
 from trainer.planning.auto import AutoInterval
-from trainer.resilience.budget import RestartBudget, current_layer
+from trainer.resilience.budget import RESTART_COUNT_ENV, RestartBudget, current_layer
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.run_dir import RunDir, write_json
@@ -70,6 +71,7 @@ class Trainer:
         self.last_loss = float("nan")
         timer = _PhaseTimer()  # where a (re)start's time goes: recorded with the launch
         self.init_distributed()
+        self.agree_on_restart_count()
         self._own_lease: RunLease | None = None
         self.fence = self.join_lease()
         self.run_dir = RunDir(cfg.run_dir)
@@ -127,7 +129,7 @@ class Trainer:
             memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
             save_point=self.resilience.injector.at_save_point, fence=self.fence,
         )
-        nodes = self.world_size if ckpt.memory_node_per_rank else max(
+        nodes = memory.nodes if memory is not None else max(
             1, self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         self.interval_planner = AutoInterval(cfg, self.checkpointer, self.events, rank=self.rank, nodes=nodes)
         timer.done("checkpointing")
@@ -162,6 +164,16 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # One voice for progress; warnings and errors still come from every rank.
         logs.configure(logging.INFO if self.rank == 0 else logging.WARNING, rank=self.rank)
+
+    def agree_on_restart_count(self) -> None:
+        """Collective: every rank takes the highest TORCHELASTIC_RESTART_COUNT of the job. Each node's launcher
+        counts its own restarts, and a node that replaced a lost one starts at 0 while the survivors restarted
+        their workers: without this, a replacement's rank 0 would take the job's restart for a first start."""
+        if self.world_size == 1:
+            return
+        count = torch.tensor([int(os.environ.get(RESTART_COUNT_ENV, "0"))], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        os.environ[RESTART_COUNT_ENV] = str(int(count.item()))
 
     def join_lease(self) -> Fence:
         """This launch's generation of the run folder's lease (fencing: an older launch's trainers stop).
@@ -235,9 +247,11 @@ class Trainer:
 
     def resume(self) -> None:
         """Take up the newest state there is; the checkpoint manager decides which (and says why)."""
-        load_started, started = time.time(), time.perf_counter()
+        load_started, started, read_before = time.time(), time.perf_counter(), checkpoint_reads.bytes_read()
         state = self.state_dict()
         step, source = self.checkpointer.load_latest(state)
+        fsx_bytes_read = torch.tensor([checkpoint_reads.bytes_read() - read_before], dtype=torch.int64, device=self.device)
+        dist.all_reduce(fsx_bytes_read)  # every rank's share: what the file system served this resume
         self.restart_budget.check(step if source != "none" else 0)  # did the recoveries before this one progress?
         if source != "none":
             self.load_state_dict(state)
@@ -246,7 +260,7 @@ class Trainer:
             copy_initial_weights(self.model, load_or_build_model(**self._build_model_args, seed=self.cfg.run.seed))
         self._weights_pending = False
         self.resilience.note_resume(step if source != "none" else None, load_started, time.perf_counter() - started,
-                                    source)
+                                    source, fsx_bytes_read=int(fsx_bytes_read.item()))
 
     # -- loop --------------------------------------------------------------------------------------
 
@@ -318,10 +332,12 @@ class Trainer:
             write_json(self.run_dir.result, result)
         return result
 
-    def close(self, wait_for_checkpoint: bool = True) -> None:
-        """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped."""
+    def close(self, wait_for_checkpoint: bool = True, peers_alive: bool = True) -> None:
+        """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped.
+        peers_alive=False: whatever waits on another rank (a peer replica round) is dropped — a node lost
+        mid-round never answers, and waiting for it would hang this rank instead of letting it restart."""
         self.resilience.close()
-        self.checkpointer.close(wait=wait_for_checkpoint)
+        self.checkpointer.close(wait=wait_for_checkpoint, peers_alive=peers_alive)
         if self._own_lease is not None:
             self._own_lease.release()
         if dist.is_initialized():

@@ -4,54 +4,30 @@ timeout, a cancel or a relaunch. On EKS the same step is the TrainJob launcher (
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import os
-import re
-import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from components.train.nodes import launch_nodes
+from components.train.processes import (JOB_TOKEN_ENV, RUN_DIR_ENV, CrashLoop, JobCancelled, LaunchOutput,
+                                        TrainingError, TrainingTimeout, cancel_on_sigterm, job_processes, launch_env,
+                                        raise_for_exit, stop_job)
 from components.train.report import training_report
 from trainer.config import Config
 from trainer.launch_args import initial_heartbeat_timeout, trainer_command
-from trainer.lease import GENERATION_ENV, RunLease
-from trainer.resilience.budget import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV,
-                                       attempt_history, read_gave_up)
+from trainer.lease import RunLease
+from trainer.resilience.budget import attempt_history
 from trainer.run_dir import RunDir, read_json
 
 log = logging.getLogger(__name__)
 
-JOB_TOKEN_ENV = "RESILIENT_TRAIN_JOB_TOKEN"  # inherited by every process of one launch
-RUN_DIR_ENV = "RESILIENT_TRAIN_RUN_DIR"  # and the run folder it trains into (ps e, debugging, tests)
-
-
-# torch prefixes each rank's traceback lines with "[rankN]: ".
-_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([\w.]+(?:Error|Exception|Interrupt|Fault): \S.*)$")
-# ft_launcher logs its failed NVML probe on machines without NVIDIA drivers; expected on CPU, not a cause.
-_EXPECTED_NOISE = ("libnvidia-ml.so",)
-
-
-class TrainingError(RuntimeError):
-    """Training exited with an error or ran out of time; the message holds the log's tail and its path."""
-
-
-class CrashLoop(TrainingError):
-    """The restart budget gave up: recoveries stopped making progress. Never relaunched; the message says where."""
-
-
-class TrainingTimeout(TrainingError):
-    """A launch ran past training.timeout_seconds: a deadline, so never relaunched (as activeDeadlineSeconds ends a
-    TrainJob on EKS)."""
+# What the rest of the project imports from here (the train step's launcher, tests, benchmarks).
+__all__ = ["JOB_TOKEN_ENV", "RUN_DIR_ENV", "CrashLoop", "JobCancelled", "TrainingError", "TrainingTimeout",
+           "cancel_on_sigterm", "job_processes", "launch_command", "run_local_training", "stop_job"]
 
 
 def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
@@ -104,93 +80,24 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
 
 
 
-class JobCancelled(RuntimeError):
-    """The train step was asked to stop (SIGTERM: a KFP cancel, a pod deletion); every process was stopped."""
-
-
-@contextlib.contextmanager
-def cancel_on_sigterm():
-    """SIGTERM becomes JobCancelled in the main thread, so the launch below stops its whole job first."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def cancel(signum, frame):
-        raise JobCancelled(f"training cancelled by signal {signum}: every training process was stopped")
-
-    previous = signal.signal(signal.SIGTERM, cancel)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def job_processes(token: str, variable: str = JOB_TOKEN_ENV) -> list:
-    """Every live process of one launch (or, with variable=RUN_DIR_ENV, of one run folder): they all inherit
-    it, whoever their parent is now."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.pid != os.getpid() and proc.environ().get(variable) == token:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def stop_job(proc: subprocess.Popen, token: str, grace_seconds: float = 10.0) -> None:
-    """Stop the launcher (SIGTERM: it stops its workers; SIGKILL after the grace), then SIGKILL every process
-    left with the launch's token — workers in sessions of their own, DCP writers, rank monitors."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_seconds)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    left = job_processes(token)
-    for survivor in left:
-        try:
-            survivor.kill()
-        except psutil.NoSuchProcess:
-            continue
-    _, alive = psutil.wait_procs(left, timeout=grace_seconds)
-    if left:
-        log.warning("stopped %d process(es) the launcher left behind%s", len(left),
-                    f"; {len(alive)} did not exit" if alive else "")
-
-
 def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, generation: int,
                  budget_since: float) -> None:
+    if cfg.training.num_nodes > 1:  # one launcher per node, as on EKS
+        launch_nodes(cfg, config_path, data_dir, attempt, generation, budget_since)
+        return
     log_path = RunDir(cfg.run_dir).train_log
     command = launch_command(cfg, config_path, data_dir)
     if cfg.resilience.launcher == "ft_launcher":
         log.info("initial heartbeat timeout %.0f s: %s", *initial_heartbeat_timeout(cfg, data_dir))
     log.info("launching (attempt %d, lease generation %d): %s", attempt + 1, generation, " ".join(command))
     token = uuid.uuid4().hex
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", LAUNCHER_ENV: cfg.resilience.launcher, JOB_ATTEMPT_ENV: str(attempt),
-           JOB_TOKEN_ENV: token, RUN_DIR_ENV: str(cfg.run_dir), GENERATION_ENV: str(generation),
-           BUDGET_SINCE_ENV: repr(budget_since),
-           # the launcher itself imports pynvml through torch.cuda; its deprecation notice is noise.
-           "PYTHONWARNINGS": "ignore:The pynvml package is deprecated"}
-    tail: deque[str] = deque(maxlen=40)
-    errors: list[str] = []  # "SomeError: message" lines from the ranks' tracebacks
-
-    def pump(stream, log_file) -> None:
-        for line in stream:
-            log_file.write(line)
-            log_file.flush()
-            tail.append(line)
-            if (match := _EXCEPTION_LINE.match(line.rstrip())) and not any(n in line for n in _EXPECTED_NOISE):
-                errors.append(match.group(1))
-            sys.stdout.write(line)
-
+    env = launch_env(cfg, attempt, token, generation, budget_since)
     # The launcher's own session keeps a Ctrl-C of the pipeline from reaching the ranks twice; the ranks sit
     # in sessions of their own anyway, which is why stopping goes by the launch's token, not a process group.
     with log_path.open("a") as log_file, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                          text=True, env=env, start_new_session=True) as proc:
-        reader = threading.Thread(target=pump, args=(proc.stdout, log_file), daemon=True)
-        reader.start()
+        output = LaunchOutput(log_file)
+        reader = output.follow(proc.stdout)
         try:
             returncode = proc.wait(timeout=cfg.training.timeout_seconds)
         except subprocess.TimeoutExpired as err:
@@ -200,9 +107,4 @@ def _launch_once(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
         finally:
             stop_job(proc, token)  # after an exit, a cancel or a timeout: nothing of this launch outlives it
             reader.join(timeout=10)
-    gave_up = read_gave_up(cfg.run_dir)
-    if returncode == CRASH_LOOP_EXIT_CODE and gave_up is not None and gave_up.get("generation") == generation:
-        raise CrashLoop(f"{gave_up['message']} (log: {log_path})")
-    if returncode != 0:
-        causes = "\n".join(dict.fromkeys(errors)) or "".join(tail)
-        raise TrainingError(f"training exited with code {returncode}; log: {log_path}\n{causes}")
+    raise_for_exit(cfg, returncode, generation, output)

@@ -34,9 +34,10 @@ from kubernetes.client.exceptions import ApiException
 from components.train.local import JobCancelled, cancel_on_sigterm
 from components.train.report import training_report
 from trainer.config import Config
-from trainer.launch_args import initial_heartbeat_timeout, node_memory_gib, trainer_command
+from trainer.launch_args import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
 from trainer.lease import GENERATION_ENV, RunLease
 from trainer.resilience.budget import BUDGET_SINCE_ENV, read_gave_up
+from trainer.rendezvous_store import NODES_ENV as RENDEZVOUS_NODES_ENV
 from trainer.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,12 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
                         {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}],
             },
             "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
-                "replicatedJobs": [{"name": CONTAINER, "template": {"spec": {"template": {"spec": pod_spec}}}}]}}}}],
+                "replicatedJobs": [{"name": CONTAINER, "template": {"spec": {"template": {"spec": pod_spec}}}},
+                                   # the rendezvous store exits once every node reported that it finished
+                                   {"name": RENDEZVOUS_JOB, "template": {"spec": {"template": {"spec": {"containers": [
+                                       {"name": RENDEZVOUS_JOB, "env": [{"name": RENDEZVOUS_NODES_ENV,
+                                                                         "value": str(cfg.training.num_nodes)}]}]}}}}},
+                                   ]}}}}],
         },
     }
 

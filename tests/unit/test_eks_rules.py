@@ -105,7 +105,8 @@ def test_every_pod_template_passes_the_pod_security_level_its_namespace_enforces
         level = levels.get(namespace, "baseline")
         assert violations(pod, level) == [], (name, obj["kind"], obj["metadata"]["name"])
         checked += 1
-    assert checked == 3  # the runtime, MLflow, fsx-prepare
+    # the runtime's node and rendezvous pods, MLflow, fsx-prepare, and prod's warm spare
+    assert checked == (5 if name == "prod" else 4)
 
 
 def test_long_running_pods_meet_restricted_and_only_the_preparation_runs_as_root(cluster):
@@ -229,8 +230,9 @@ def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
     command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
     assert f"--ft-initial-rank-heartbeat-timeout={seconds}" in command
     assert any(a.startswith("--rdzv-conf=join_timeout=") for a in command)
-    assert command[:7] == ["python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}",
-                           "--fork-server", f"--run-dir={cfg.run_dir}", "ft_launcher"]
+    assert command[:8] == ["python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}",
+                           "--fork-server", f"--run-dir={cfg.run_dir}",
+                           f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}", "ft_launcher"]
 
 
 def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limit_covers_it(cluster):
@@ -279,6 +281,20 @@ def test_node_rank_0_hosts_the_rendezvous_explicitly_and_unknown_flags_are_dropp
     assert "--ft-max-no-progress-cycles=0" in new
     assert "--rdzv-conf=join_timeout=600,is_host=false" in new
     assert nvrx_compat.runtime_launcher_args("ft_launcher", ["--standalone"], {}) == ["--standalone"]
+    # The job's own rendezvous store (is_host=false already): node 0 does not take it over.
+    external = ["--rdzv-backend=c10d", "--rdzv-conf=join_timeout=600,is_host=false"]
+    assert nvrx_compat.runtime_launcher_args("torchrun", external, {"PET_NODE_RANK": "0"}) == external
+
+
+def test_a_node_keeps_its_group_rank_through_every_rendezvous_round():
+    """NVRx >= 0.6's barrier rendezvous orders nodes by an infrastructure rank: SLURM's, else GROUP_RANK
+    (v0.6.0 fault_tolerance/utils.py get_infrastructure_rank); the launcher gives it the node's index, which a
+    replacement pod keeps. A value already set (SLURM, an operator) is left alone."""
+    from trainer.resilience.nvrx_compat import stable_node_rank
+
+    assert stable_node_rank({"PET_NODE_RANK": "5"}) == {"GROUP_RANK": "5"}
+    assert stable_node_rank({"PET_NODE_RANK": "5", "GROUP_RANK": "2"}) == {}
+    assert stable_node_rank({}) == {}
 
 
 # The Kubernetes Job controller's podFailurePolicy, as kubernetes pkg/controller/job/pod_failure_policy.go
@@ -288,18 +304,38 @@ def test_node_rank_0_hosts_the_rendezvous_explicitly_and_unknown_flags_are_dropp
 # PodFailurePolicy (batch/v1 JobReasonPodFailurePolicy) and the message
 #   "Container %s for pod %s/%s failed with exit code %v matching %v rule at index %d"  (exit codes)
 #   "Pod %s/%s has condition %v matching %v rule at index %d"                          (conditions).
-# A failure no rule matches counts against backoffLimit; at 0 the Job fails with reason BackoffLimitExceeded.
-def job_controller(job_spec, *, exit_code=None, condition=None, pod="resilient-train/rt-x-node-0-3-abcde"):
+# Ignore: "the counter towards the .backoffLimit is not incremented and a replacement pod is created" (the
+# batch/v1 API, PodFailurePolicyRule.action). A failure no rule matches counts: with backoffLimitPerIndex (an
+# Indexed Job) against its own index — pkg/controller/job/indexed_job_utils.go: the pod of a failed attempt is
+# replaced with the same completion index until that index's failure count exceeds backoffLimitPerIndex, then
+# the index is failed; once failed indexes exceed maxFailedIndexes the Job fails with reason
+# MaxFailedIndexesExceeded (job_controller.go). Without it, against backoffLimit (reason BackoffLimitExceeded).
+def job_controller(job_spec, *, exit_code=None, condition=None, pod="resilient-train/rt-x-node-0-3-abcde",
+                   index_failures_before=0):
+    """(reason, message) when the Job fails, or ("Replaced", why) when only the pod is recreated."""
     for index, rule in enumerate(job_spec["podFailurePolicy"]["rules"]):
         codes = rule.get("onExitCodes")
+        matched = None
         if codes and exit_code and codes.get("containerName", "node") == "node" and codes["operator"] == "In" \
                 and exit_code in codes["values"]:
-            return "PodFailurePolicy", (f"Container node for pod {pod} failed with exit code {exit_code} matching "
-                                        f"{rule['action']} rule at index {index}")
+            matched = f"Container node for pod {pod} failed with exit code {exit_code} matching {rule['action']} rule at index {index}"
         if condition and any(c["type"] == condition for c in rule.get("onPodConditions", [])):
-            return "PodFailurePolicy", f"Pod {pod} has condition {condition} matching {rule['action']} rule at index {index}"
-    assert job_spec["backoffLimit"] == 0
-    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+            matched = f"Pod {pod} has condition {condition} matching {rule['action']} rule at index {index}"
+        if matched and rule["action"] == "FailJob":
+            return "PodFailurePolicy", matched
+        if matched and rule["action"] == "Ignore":
+            return "Replaced", "ignored: not counted"
+        if matched:
+            break  # Count: the default handling
+    if "backoffLimitPerIndex" in job_spec:
+        if index_failures_before + 1 <= job_spec["backoffLimitPerIndex"]:
+            return "Replaced", f"index failure {index_failures_before + 1} of {job_spec['backoffLimitPerIndex']}"
+        if 1 > job_spec.get("maxFailedIndexes", 1 << 31):
+            return "MaxFailedIndexesExceeded", "Job has exceeded the specified maximal number of failed indexes"
+        return "Replaced", "index failed; the others go on"
+    if job_spec.get("backoffLimit", 6) == 0:
+        return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    return "Replaced", "counted against backoffLimit"
 
 
 # JobSet's failure policy (the JobSet API, FailurePolicy.rules, in the Trainer CRD's descriptions; jobset
@@ -308,6 +344,8 @@ def job_controller(job_spec, *, exit_code=None, condition=None, pod="resilient-t
 # matches the message (Go regexp.MatchString: unanchored; empty: any). No match: RestartJobSet, which counts
 # against maxRestarts.
 def jobset_controller(policy, reason, message):
+    if reason == "Replaced":
+        return "ReplacePod"  # the Job did not fail: the JobSet does nothing
     for rule in policy["rules"]:
         reasons, patterns = rule.get("onJobFailureReasons", []), rule.get("onJobFailureMessagePatterns", [])
         if (not reasons or reason in reasons) and (not patterns or any(re.search(p, message) for p in patterns)):
@@ -315,32 +353,126 @@ def jobset_controller(policy, reason, message):
     return "RestartJobSet"
 
 
-def test_a_crash_loop_fails_the_jobset_and_every_other_failure_restarts_it(cluster):
-    """The restart budget (trainer.resilience.budget) ends a crash loop with exit code 42 in every pod: the
-    Job and JobSet controllers' rules turn exactly that into a failed JobSet; anything else restarts the gang,
-    and a preemption or eviction does not spend maxRestarts."""
+def node_job(runtime) -> dict:
+    [job] = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "node"]
+    return job["template"]["spec"]
+
+
+def test_a_lost_node_replaces_one_pod_a_crash_loop_fails_the_jobset_and_no_replacement_restarts_it(cluster):
+    """What each end of a node's pod does to the job (trainer.node_lifecycle's table), through the Job and JobSet
+    controllers' rules: a node lost or evicted replaces that pod only (the others keep their memory); exit 42
+    (the restart budget's verdict) fails the JobSet; exit 43 (no replacement in time) and a node that keeps
+    failing restart every pod."""
+    from trainer.node_lifecycle import REPLACEMENT_TIMEOUT_EXIT_CODE
     from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE
 
     _, objects, _ = cluster
     runtime, _ = runtime_pod(objects)
     policy = runtime["spec"]["template"]["spec"]["failurePolicy"]
     assert policy["restartStrategy"] == "BlockingRecreate"  # no two generations on FSx at once
-    job_spec = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
-    assert job_spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy requires it
+    job_spec = node_job(runtime)
 
     def outcome(**pod):
         return jobset_controller(policy, *job_controller(job_spec, **pod))
 
     assert outcome(exit_code=CRASH_LOOP_EXIT_CODE) == "FailJobSet"
+    assert outcome(exit_code=REPLACEMENT_TIMEOUT_EXIT_CODE) == "RestartJobSet"
     for other in (1, 2, 3, 137, 139, 143):  # a launcher error, a bad config, SIGKILL/OOM, SIGSEGV, SIGTERM
-        assert outcome(exit_code=other) == "RestartJobSet", other
-    assert outcome(condition="DisruptionTarget") == "RestartJobSetAndIgnoreMaxRestarts"
+        assert outcome(exit_code=other) == "ReplacePod", other
+        assert outcome(exit_code=other, index_failures_before=job_spec["backoffLimitPerIndex"]) == "RestartJobSet"
+    for _ in range(100):  # a disruption never counts, however often
+        assert outcome(condition="DisruptionTarget", index_failures_before=job_spec["backoffLimitPerIndex"]) == "ReplacePod"
     # Rule names the JobSet API accepts (its validation pattern, in the CRD's description of `name`).
     assert all(re.fullmatch(r"[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?", rule["name"]) for rule in policy["rules"])
     # In a value list for operator In, 0 is refused and values are sorted and unique (the Job API).
     for rule in job_spec["podFailurePolicy"]["rules"]:
         values = rule.get("onExitCodes", {}).get("values", [1])
         assert 0 not in values and values == sorted(set(values))
+
+
+def test_the_node_job_is_one_the_api_server_admits(cluster):
+    """kubernetes pkg/apis/batch/validation/validation.go: backoffLimitPerIndex and maxFailedIndexes only on an
+    Indexed Job (maxFailedIndexes only with backoffLimitPerIndex); podFailurePolicy only with restartPolicy Never,
+    and then podReplacementPolicy must be Failed (the API: "When using podFailurePolicy, Failed is the only
+    allowed value"). A global backoffLimit would also cap the replacements: left to its default (MaxInt32 when
+    backoffLimitPerIndex is set)."""
+    _, objects, _ = cluster
+    runtime, _ = runtime_pod(objects)
+    job_spec = node_job(runtime)
+    assert job_spec["completionMode"] == "Indexed"
+    assert job_spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert job_spec["podReplacementPolicy"] == "Failed"
+    assert "backoffLimit" not in job_spec
+    assert job_spec["maxFailedIndexes"] == 0 and job_spec["backoffLimitPerIndex"] >= 1
+    actions = {"Ignore", "FailJob", "FailIndex", "Count"}
+    assert all(rule["action"] in actions for rule in job_spec["podFailurePolicy"]["rules"])
+    # The job succeeds when its nodes do; the rendezvous pod is not a node.
+    success = runtime["spec"]["template"]["spec"]["successPolicy"]
+    assert success == {"operator": "All", "targetReplicatedJobs": ["node"]}
+
+
+def test_the_rendezvous_lives_outside_every_node(cluster):
+    """Every node's launcher meets at the rendezvous pod's store (is_host=false: no node hosts it), at the address
+    JobSet gives that pod (<jobset>-<replicated job>-<job index>-<pod index>.<subdomain>, the subdomain being the
+    JobSet's name unless network.subdomain says otherwise: jobset pkg/controllers/jobset_controller.go,
+    constructJob / GenPodName)."""
+    from trainer.launch_args import RENDEZVOUS_PORT, rendezvous_endpoint_of
+
+    _, objects, cfg = cluster
+    runtime, _ = runtime_pod(objects)
+    assert "network" not in runtime["spec"]["template"]["spec"] or \
+        "subdomain" not in runtime["spec"]["template"]["spec"]["network"]
+    [rendezvous] = [j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"] if j["name"] == "rendezvous"]
+    assert rendezvous.get("replicas", 1) == 1
+    pod = rendezvous["template"]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"][:3] == ["python", "-m", "trainer.rendezvous_store"]
+    assert str(RENDEZVOUS_PORT) in container["command"] and container["image"] == node_pod_image(runtime)
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]  # not a training node
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    command = job["spec"]["trainer"]["command"]
+    name = job["metadata"]["name"]
+    assert f"--rdzv-endpoint={rendezvous_endpoint_of(name)}" in command
+    assert rendezvous_endpoint_of(name) == f"{name}-rendezvous-0-0.{name}:{RENDEZVOUS_PORT}"
+    conf = next(a for a in command if a.startswith("--rdzv-conf="))
+    assert "is_host=false" in conf and f"join_timeout={int(cfg.resilience.replacement_timeout_seconds)}" in conf
+    # The TrainJob tells the store how many nodes finish before it exits.
+    patches = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    [patch] = [p for p in patches if p["name"] == "rendezvous"]
+    env = patch["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env == [{"name": "RESILIENT_TRAIN_RENDEZVOUS_NODES", "value": str(cfg.training.num_nodes)}]
+
+
+def test_a_warm_spare_holds_a_whole_node_and_yields_to_a_replacement(cluster):
+    """kube-scheduler's preemption (Kubernetes docs, "Pod Priority and Preemption"; DefaultPreemption plugin):
+    a pending pod may evict pods of lower priority only, and a pod with preemptionPolicy Never evicts nobody.
+    A training pod has no priorityClassName (priority 0 without a globalDefault class). A spare must request
+    what a training pod does, so that it holds (and frees) one whole node."""
+    name, objects, cfg = cluster
+    spares = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "resilient-train-spare"]
+    if name != "prod":
+        assert spares == []  # optional: the dev overlay has none
+        return
+    [spare] = spares
+    [priority] = [o for o in objects if o["kind"] == "PriorityClass"]
+    pod = spare["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == priority["metadata"]["name"]
+    assert priority["value"] < 0 and priority["preemptionPolicy"] == "Never" and not priority.get("globalDefault")
+    runtime, node_pod = runtime_pod(objects)
+    assert "priorityClassName" not in node_pod
+    [container] = pod["containers"]
+    training = node_pod["containers"][0]["resources"]["requests"]
+    for resource in ("nvidia.com/gpu", "vpc.amazonaws.com/efa"):
+        assert container["resources"]["requests"][resource] == training[resource]
+    assert pod["nodeSelector"] == node_pod["nodeSelector"] and container["image"] == node_pod_image(runtime)
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "trainer.node_health"] and "--hold" in command
+    assert command[command.index("--gpus") + 1] == str(training["nvidia.com/gpu"])
+    assert command[command.index("--efa") + 1] == str(training["vpc.amazonaws.com/efa"])
+
+
+def node_pod_image(runtime) -> str:
+    return node_job(runtime)["template"]["spec"]["containers"][0]["image"]
 
 
 def test_the_jobsets_restart_budget_covers_the_pod_faults_the_planner_expects(cluster):

@@ -115,10 +115,16 @@ def test_rack_faults_take_the_peer_replica_with_them():
     costs = Costs(nodes=64, node_mtbf_hours=200, **{**SEED_SETTING, "fault_mix": {"rack": 1.0}})
     config = BY_NAME["async+ft_launcher+memory+peer"]
     result = simulate(costs, config, {"memory": 4.0, "fsx": 400.0}, 5 * 86400, seed=1)
-    assert result["faults"]["rack"] > 10 and set(result["recoveries"]) == {"job_relaunch"}
+    # Nodes replaced as for one node lost (docs/node-loss.md), but both copies gone: every rank reads FSx.
+    assert result["faults"]["rack"] > 10 and set(result["recoveries"]) == {"replacement"}
     node_only = simulate(dataclasses.replace(costs, fault_mix={"node": 1.0}), config,
                          {"memory": 4.0, "fsx": 400.0}, 5 * 86400, seed=1)
     assert set(node_only["recoveries"]) == {"replacement"} and node_only["goodput"] > result["goodput"]
+    # The wait for a machine is the lever warm spares pull: a new instance's 10 minutes cost goodput.
+    no_spare = simulate(dataclasses.replace(costs, fault_mix={"node": 1.0}, spare_wait_seconds=600.0), config,
+                        {"memory": 4.0, "fsx": 400.0}, 5 * 86400, seed=1)
+    assert no_spare["goodput"] < node_only["goodput"]
+    assert costs.restart("replacement") == costs.restart_seconds + costs.replacement_seconds + costs.spare_wait_seconds
 
 
 def test_a_trace_replays_faults_at_given_steps_once_each():
@@ -200,7 +206,7 @@ def test_interval_steps_auto_in_the_config():
         load_config("local", ["--checkpoint.auto_node_mtbf_hours=0"])
     # The job's layers decide which faults the FSx interval has to cover.
     assert job_configuration(cfg).routes == {"exception": ("ft_launcher", "memory"), "process": ("ft_launcher", "memory"),
-                                             "node": ("replacement", "peer"), "rack": ("job_relaunch", "fsx")}
+                                             "node": ("replacement", "peer"), "rack": ("replacement", "fsx")}
     plain = load_config("local", ["--checkpoint.memory_interval_steps=0", "--checkpoint.mode=sync",
                                   "--resilience.max_restarts=0"])
     assert set(job_configuration(plain).routes.values()) == {("job_relaunch", "fsx_sync")}

@@ -29,12 +29,14 @@ def test_the_trainjob_validates_strictly_against_the_crd(cfg):
     assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
                                                              "memory": "555Gi"}
     command = spec["trainer"]["command"]
-    assert command[:7] == ["python", "-m", "trainer.launcher", "--node-store=/node-memory/nightly-2026-11-29",
-                           "--fork-server", f"--run-dir={cfg.run_dir}", "ft_launcher"]
+    assert command[:8] == ["python", "-m", "trainer.launcher", "--node-store=/node-memory/nightly-2026-11-29",
+                           "--fork-server", f"--run-dir={cfg.run_dir}",
+                           f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}", "ft_launcher"]
     # ft_launcher's own count is out of the way of the progress rule, and NVRx >= 0.6's tracker off.
     assert "--nproc-per-node=8" in command and "--max-restarts=1000000" in command
     assert "--ft-max-no-progress-cycles=0" in command
-    assert "--rdzv-endpoint=$(PET_MASTER_ADDR):$(PET_MASTER_PORT)" in command
+    name = job["metadata"]["name"]  # the rendezvous pod's store, not node 0's (docs/node-loss.md)
+    assert f"--rdzv-endpoint={name}-rendezvous-0-0.{name}:29400" in command and "--nnodes=8" in command
     assert command[command.index("--config") + 1] == str(cfg.run_dir / "config.yaml")
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "resilient-train"
     pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][

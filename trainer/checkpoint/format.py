@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from transformers import LlamaConfig
 
+from trainer.checkpoint import reads
 from trainer.model import build_model, set_special_token_ids
 from trainer.run_dir import write_json
 from trainer.tokenizer import load_tokenizer
@@ -67,6 +68,7 @@ def hash_file(path: Path, algorithm: str = HASH_ALGORITHM, chunk_bytes: int = 8 
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
+            reads.count(len(chunk))
     return digest.hexdigest()
 
 

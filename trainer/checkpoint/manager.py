@@ -40,6 +40,7 @@ from trainer.checkpoint.backends import FailedWrite, PendingWrite, forget_cached
 from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, fsync_dir, latest_valid_checkpoint, stale_folders,
                                        step_dir_name, verify_checkpoint, write_manifest)
 from trainer.checkpoint.memory import MemoryTier
+from trainer.checkpoint.reads import CountingReader
 from trainer.checkpoint.s3_tier import S3Tier, S3TierError
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog
@@ -341,8 +342,8 @@ class CheckpointManager:
             self._commit_future.result()
             self._commit_future = None
 
-    def close(self, wait: bool = True) -> None:
-        """wait=False after a fault: the save in flight is dropped (the peers may be gone)."""
+    def close(self, wait: bool = True, peers_alive: bool = True) -> None:
+        """wait=False after a fault: the save in flight is dropped; peers_alive=False: no replica round waited."""
         if not self.enabled:
             return
         if wait:
@@ -359,7 +360,7 @@ class CheckpointManager:
                 # since (a resume from memory may need no new FSx save before the end).
                 self._apply_retention(self._last_saved_step or 0)
         if self._memory is not None:
-            self._memory.close(wait=wait)
+            self._memory.close(wait=wait and peers_alive)
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -373,8 +374,7 @@ class CheckpointManager:
         newest_committed = self._newest_committed_step()
         path = disk_step = None
         if self._memory is not None:
-            # Memory wins unless FSx holds something newer that verifies; hashing the FSx files is skipped
-            # when memory has a copy at least as new as the newest committed folder.
+            # Memory wins unless FSx holds something newer that verifies (FSx is hashed only then).
             found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1)
             if found is None and newest_committed is not None:
                 path, disk_step = self._find_latest()
@@ -446,5 +446,5 @@ class CheckpointManager:
                 if not any(k.startswith(f"{name}.{key}") for k in stored):
                     log.warning("checkpoint %s has no %s.%s; keeping the current value", path, name, key)
                     del state[name][key]
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=CountingReader(str(path)))
         log.info("resumed from %s", path)

@@ -30,8 +30,10 @@ class MemoryTier:
         self.interval_steps = cfg.memory_interval_steps
         self.rank, self.world_size = rank, world_size
         self.folder = node_store_folder(cfg.memory_dir, run_id)
-        self.ranks_per_node = 1 if cfg.memory_node_per_rank else local_world_size
-        nodes = world_size // self.ranks_per_node
+        # memory_node_per_rank stands in for nodes when one launcher runs every rank; with a launcher per node the
+        # nodes are real.
+        self.ranks_per_node = 1 if cfg.memory_node_per_rank and local_world_size == world_size else local_world_size
+        self.nodes = nodes = world_size // self.ranks_per_node
         node = rank // self.ranks_per_node
         with_peer = cfg.peer_replica and nodes > 1
         # The ring over nodes: rank r keeps the replica of r - ranks_per_node and sends its own to r + ranks_per_node.

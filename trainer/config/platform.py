@@ -84,8 +84,19 @@ class LocalConfig:
     demo_documents: int = 2000
     """Documents in the generated demo corpus."""
 
+    node_replacement_delay_seconds: float = 5.0
+    """training.num_nodes > 1: seconds between a node's loss and the start of its replacement (a new node's
+    scheduling and start-up on EKS; a warm spare takes seconds, a new instance minutes). Longer than
+    resilience.replacement_timeout_seconds, the replacement never comes in time and the whole job restarts."""
+
+    node_loss: Literal["replace", "restart_job"] = "replace"
+    """training.num_nodes > 1: what a lost node costs. replace: only that node is replaced (the EKS runtime
+    with per-index backoff; docs/node-loss.md); restart_job: every node is stopped and the whole job relaunched
+    (a runtime without it — Kubernetes < 1.29, or backoffLimit 0 — and bench/recovery.py's baseline)."""
+
     def __post_init__(self) -> None:
         require(self.demo_documents >= 10, "local.demo_documents", "must be >= 10")
+        require(self.node_replacement_delay_seconds >= 0, "local.node_replacement_delay_seconds", "must be >= 0")
 
 
 @dataclass

@@ -203,7 +203,8 @@ class TrainingConfig:
     """Training processes per node (GPUs per node on EKS; CPU ranks locally)."""
 
     num_nodes: int = 1
-    """Nodes in the training job (1 locally)."""
+    """Nodes in the training job. Locally, N > 1 runs one launcher per node on this machine (each with its own
+    node memory), meeting in a rendezvous outside every node, as on EKS (docs/node-loss.md)."""
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto picks nccl when CUDA is available, else gloo."""
@@ -378,7 +379,13 @@ class ResilienceConfig:
     """Seconds without a heartbeat (one per step) after which ft_launcher declares a rank hung and restarts."""
 
     rendezvous_timeout: float = 600.0
-    """Seconds the launchers' c10d rendezvous waits for every node to join (rdzv-conf join_timeout)."""
+    """Seconds a one-node TrainJob's c10d rendezvous waits for its node (rdzv-conf join_timeout); multi-node
+    jobs use resilience.replacement_timeout_seconds."""
+
+    replacement_timeout_seconds: float = 600.0
+    """Multi-node jobs: how long the surviving nodes wait in the rendezvous for a lost node's replacement
+    before they give up with exit code 43 and the whole job restarts (from FSx). It is the rendezvous's
+    join_timeout of every round, so it also bounds the first one (the nodes of a gang start together)."""
 
     node_health_check_endpoint: str = ""
     """NVRx >= 0.5: a node health check service (Unix socket, e.g. /var/run/nvhcd.sock) ft_launcher asks
@@ -400,6 +407,7 @@ class ResilienceConfig:
         require(self.initial_heartbeat_timeout >= 0, "resilience.initial_heartbeat_timeout",
                  "must be >= 0 (0 derives it from the checkpoint size)")
         require(self.rendezvous_timeout > 0, "resilience.rendezvous_timeout", "must be > 0")
+        require(self.replacement_timeout_seconds > 0, "resilience.replacement_timeout_seconds", "must be > 0")
         require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
         require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
         require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",

@@ -32,9 +32,12 @@ def job_configuration(cfg: Config) -> Configuration:
     in_job = resilience.launcher == "ft_launcher" and resilience.max_restarts != 0  # -1: no count of its own
     process = ("ft_launcher", "memory" if memory else fsx) if in_job else ("job_relaunch", fsx)
     exception = ("in_process", "memory" if memory else fsx) if resilience.in_process else process
-    node = ("replacement", "peer") if memory and ckpt.peer_replica and in_job else ("job_relaunch", fsx)
+    # A lost node is replaced while the others restart in-job (docs/node-loss.md); without in-job restarts every
+    # pod is recreated.
+    lost = ("replacement", fsx) if in_job else ("job_relaunch", fsx)
+    node = ("replacement", "peer") if memory and ckpt.peer_replica and in_job else lost
     return Configuration("this job", "from the config", {"exception": exception, "process": process, "node": node,
-                                                         "rack": ("job_relaunch", fsx)})
+                                                         "rack": lost})
 
 
 class AutoInterval:

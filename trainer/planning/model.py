@@ -68,8 +68,12 @@ class Costs:
     """In-process restart: detection, process-group rebuild (not the reload)."""
     job_restart_seconds: float = 270.0
     """A job-level relaunch: pods deleted, rescheduled and started again (≈ 270 s on EKS)."""
-    replacement_seconds: float = 90.0
-    """Waiting for a spare node to join when a node is lost and the job is not relaunched."""
+    replacement_seconds: float = 10.0
+    """A lost node's replacement beyond the in-job restart, once its pod has a machine: the new launcher's start
+    and rendezvous, the state sent from the peer (bench/recovery.py: node_replacement)."""
+    spare_wait_seconds: float = 60.0
+    """How long a lost node's replacement pod waits for a machine: a warm spare (manifests/components/
+    warm-spares: preemption and container start, ~60 s) or, without one, a new instance (~600 s)."""
     startup_seconds: float = 0.0
     """One-time start of the job before the first step (counted once, not per fault)."""
     fault_mix: dict = field(default_factory=lambda: dict(DEFAULT_FAULT_MIX))
@@ -111,7 +115,7 @@ class Costs:
 
     def restart(self, mechanism: str) -> float:
         return {"in_process": self.in_process_restart_seconds, "ft_launcher": self.restart_seconds,
-                "replacement": self.restart_seconds + self.replacement_seconds,
+                "replacement": self.restart_seconds + self.replacement_seconds + self.spare_wait_seconds,
                 "job_relaunch": self.job_restart_seconds}[mechanism]
 
 
@@ -143,21 +147,24 @@ def _routes(exception, process, node, rack):
 
 
 RELAUNCH_FSX = ("job_relaunch", "fsx")
+REPLACE_FSX = ("replacement", "fsx")
+# What the EKS deployment does (docs/node-loss.md): with in-job restarts on, a lost node's pod is replaced and the
+# survivors keep running — every rank reloads from FSx unless the peer replica has the lost node's state; with
+# them off (resilience.max_restarts=0) every pod is recreated: a relaunch.
 CONFIGURATIONS = [
-    Configuration("sync+relaunch", "synchronous FSx saves; every fault relaunches the job",
+    Configuration("sync+relaunch", "synchronous FSx saves; every fault recreates every pod (no in-job restart)",
                   _routes(*[("job_relaunch", "fsx_sync")] * 4)),
-    Configuration("async+relaunch", "asynchronous FSx saves; every fault relaunches the job",
+    Configuration("async+relaunch", "asynchronous FSx saves; every fault recreates every pod",
                   _routes(*[RELAUNCH_FSX] * 4)),
-    Configuration("async+ft_launcher", "in-job restart for exceptions and process deaths (state from FSx); "
-                  "a lost node relaunches the job", _routes(("ft_launcher", "fsx"), ("ft_launcher", "fsx"),
-                                                           RELAUNCH_FSX, RELAUNCH_FSX)),
+    Configuration("async+ft_launcher", "in-job restart for exceptions and process deaths (state from FSx); a lost "
+                  "node is replaced, every rank reloads from FSx", _routes(("ft_launcher", "fsx"), ("ft_launcher", "fsx"),
+                                                                          REPLACE_FSX, REPLACE_FSX)),
     Configuration("async+ft_launcher+memory", "the same, state from node memory", _routes(
-        ("ft_launcher", "memory"), ("ft_launcher", "memory"), RELAUNCH_FSX, RELAUNCH_FSX)),
-    Configuration("async+ft_launcher+memory+peer", "and a lost node's state from its peer's replica, on a spare "
-                  "node", _routes(("ft_launcher", "memory"), ("ft_launcher", "memory"), ("replacement", "peer"),
-                                  RELAUNCH_FSX)),
+        ("ft_launcher", "memory"), ("ft_launcher", "memory"), REPLACE_FSX, REPLACE_FSX)),
+    Configuration("async+ft_launcher+memory+peer", "and a lost node's state from its peer's replica", _routes(
+        ("ft_launcher", "memory"), ("ft_launcher", "memory"), ("replacement", "peer"), REPLACE_FSX)),
     Configuration("in_process+ft_launcher+memory+peer", "and exceptions recovered in-process", _routes(
-        ("in_process", "memory"), ("ft_launcher", "memory"), ("replacement", "peer"), RELAUNCH_FSX)),
+        ("in_process", "memory"), ("ft_launcher", "memory"), ("replacement", "peer"), REPLACE_FSX)),
 ]
 CONFIGURATION_NAMES = [c.name for c in CONFIGURATIONS]
 

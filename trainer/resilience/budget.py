@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 CRASH_LOOP_EXIT_CODE = 42
 BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # set by the train step: its launch's start (epoch seconds)
 LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # restarts of this node's workers by its launcher
 JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
 
 
@@ -86,7 +87,7 @@ def restart_layer(in_process_iteration: int, restart_iteration: int, job_attempt
 
 def current_layer(in_process_iteration: int = 0) -> str:
     """This process's layer, from what the launchers put in its environment."""
-    return restart_layer(in_process_iteration, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    return restart_layer(in_process_iteration, int(os.environ.get(RESTART_COUNT_ENV, "0")),
                          int(os.environ.get(JOB_ATTEMPT_ENV, "0")), os.environ.get(LAUNCHER_ENV, "torchrun"))
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.events import read_events
+from trainer.node_lifecycle import in_a_node_of_many, kill_this_node
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class FaultInjector:
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
         if fault.type == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.type == "node_loss" and in_a_node_of_many():
+            kill_this_node(f"drill {key} after step {step} on rank {self.rank}")
         if fault.type in ("node_loss", "corrupt_memory"):
             if self.node_memory is None:
                 log.warning("%s on rank %d: the memory tier is off, so this is a plain SIGKILL", fault.type, self.rank)

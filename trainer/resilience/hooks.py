@@ -21,7 +21,7 @@ from typing import Any
 from trainer.config import Config
 from trainer.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
-from trainer.resilience.budget import JOB_ATTEMPT_ENV, LAUNCHER_ENV, restart_layer
+from trainer.resilience.budget import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV, restart_layer
 from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.run_dir import RunDir, read_jsonl
@@ -61,7 +61,7 @@ class ResilienceHooks:
         self.in_process_iteration = in_process.iteration if in_process else 0
         self.ping = in_process.ping if in_process else (lambda: None)
         self.telemetry = telemetry
-        self.restart_iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.restart_iteration = int(os.environ.get(RESTART_COUNT_ENV, "0"))
         self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
         self.heartbeat = Heartbeat()
@@ -99,9 +99,9 @@ class ResilienceHooks:
             self.events.write("efa_memlock", **memlock)
 
     def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float,
-                    source: str = "disk") -> None:
+                    source: str = "disk", fsx_bytes_read: int = 0) -> None:
         self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
-                        "load_seconds": load_seconds, "source": source}
+                        "load_seconds": load_seconds, "source": source, "fsx_bytes_read": fsx_bytes_read}
         self.injector.before_step((reloaded_step or 0) + 1)
 
     @property
@@ -160,6 +160,7 @@ class ResilienceHooks:
             "restart_iteration": iteration,
             "reloaded_step": resume["reloaded_step"],
             "reload_source": resume["source"],
+            "fsx_bytes_read": resume.get("fsx_bytes_read", 0),  # every rank's, from checkpoint folders
             "lost_steps": self._lost_steps(resume["reloaded_step"]),
             "detect_and_teardown_seconds": (self.process_started_at - fault_time) if fault_time else None,
             "reinit_seconds": resume["load_started"] - self.process_started_at,

@@ -129,7 +129,7 @@ def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str
                 logging.getLogger(__name__).log(level, "NVRx %s has no %s: %s", nvrx_version(), flag, consequence)
                 args = kept
     node_rank = environ.get("PET_NODE_RANK")
-    if node_rank is not None and "--rdzv-backend=c10d" in args:
+    if node_rank is not None and "--rdzv-backend=c10d" in args and not any("is_host=" in a for a in args):
         is_host = f"is_host={'true' if node_rank == '0' else 'false'}"
         for index, arg in enumerate(args):
             if arg.startswith("--rdzv-conf="):
@@ -138,6 +138,15 @@ def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str
         else:
             args.append(f"--rdzv-conf={is_host}")
     return args
+
+
+def stable_node_rank(environ: dict[str, str]) -> dict[str, str]:
+    """What keeps a node's group rank across rendezvous rounds, so survivors of a node loss keep the ranks their
+    node memory was written by and the replacement takes the lost node's: NVRx >= 0.6's barrier rendezvous
+    orders nodes by an infrastructure rank, GROUP_RANK when SLURM is absent; NVRx 0.4.1's rendezvous re-uses
+    each node's rank of the previous round (its _assign_ranks) and gives a newcomer the free one."""
+    node_rank = environ.get("PET_NODE_RANK")
+    return {"GROUP_RANK": node_rank} if node_rank is not None and "GROUP_RANK" not in environ else {}
 
 
 # NVRx's GPU/NIC health checks (ft_launcher and its rank monitors) log an NVML traceback per rank and launch

@@ -1,0 +1,96 @@
+"""A node lost without a job restart, with real processes: training.num_nodes launchers on this machine (one
+rank each), a rendezvous store outside every node, and the node_loss drill killing a whole node — its
+launcher, its workers — and wiping its node memory. The local runner replaces the node after
+local.node_replacement_delay_seconds; the survivors keep running (the same launcher, the same node memory).
+
+Every case must train exactly what a clean run with the same number of nodes trains (bit-identical losses at
+every step, replays included). The FSx interval (3 steps) is longer than the memory interval (every step), so
+where a recovery reads from is visible in the reloaded step.
+"""
+
+import pytest
+
+from components.train.local import run_local_training
+from components.train.report import read_metrics
+from trainer.events import read_events
+from trainer.run_dir import RunDir
+
+pytestmark = pytest.mark.integration
+
+STEPS = ["--training.num_steps=8", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
+         "--training.nproc_per_node=1", "--checkpoint.peer_replica_wait=true",
+         "--local.node_replacement_delay_seconds=2"]
+
+
+def _losses(cfg):
+    return {r["step"]: r["loss"] for r in read_metrics(RunDir(cfg.run_dir).metrics)}
+
+
+def _launchers_started(cfg) -> dict[int, int]:
+    """Launchers started per node index, from the runner's lines in train.log."""
+    text = RunDir(cfg.run_dir).train_log.read_text()
+    return {node: text.count(f"[nodes] node {node} started") for node in range(3)}
+
+
+@pytest.fixture(scope="module")
+def clean_losses(tmp_path_factory, token_dir, training_config):
+    losses = {}
+    for nodes in (2, 3):
+        cfg = training_config(tmp_path_factory.mktemp(f"clean{nodes}"), "clean", *STEPS, f"--training.num_nodes={nodes}",
+                              "--faults.schedule=")
+        result = run_local_training(cfg, token_dir)
+        assert result["steps"] == 8
+        losses[nodes] = _losses(cfg)
+    return losses
+
+
+@pytest.mark.parametrize("nodes, schedule, source, reloaded", [
+    # The survivor restores from its own node memory, the newcomer from the replica its neighbour holds.
+    (2, "node_loss@5:rank=1", "peer", 5),
+    # Node 0 too: the rendezvous lives outside every node, and ranks stay with their nodes.
+    (2, "node_loss@5:rank=0", "peer", 5),
+    # Step 6's FSx save is still being written when the node goes: memory and the replica still hold step 6.
+    (2, "node_loss@6:rank=1", "peer", 6),
+    # Two neighbours at once: rank 1's replica lived on node 2 — both copies are gone, so every rank goes to FSx
+    # (step 3), still without restarting node 0.
+    (3, "node_loss@5:rank=1,node_loss@5:rank=2", "disk", 3),
+])
+def test_a_lost_node_is_replaced_while_the_others_keep_running(tmp_path, token_dir, training_config, clean_losses,
+                                                              nodes, schedule, source, reloaded):
+    cfg = training_config(tmp_path, "lost", *STEPS, f"--training.num_nodes={nodes}", f"--faults.schedule={schedule}")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == 8
+    assert _losses(cfg) == clean_losses[nodes]
+    [recovery] = read_events(cfg.run_dir, "recovery")
+    assert recovery["mechanism"] == "ft_launcher"  # in-job: no whole-job restart
+    assert sorted(recovery["fault_keys"]) == sorted(schedule.split(","))
+    assert recovery["reload_source"] == source and recovery["reloaded_step"] == reloaded
+    assert recovery["lost_steps"] == int(schedule.split("@")[1].split(":")[0]) - reloaded
+    # From memory and the replica, the shared file system serves nothing; from FSx, the checkpoint (hashed, loaded).
+    assert (recovery["fsx_bytes_read"] == 0) == (source == "peer") and recovery["fsx_bytes_read"] >= 0
+    assert all(launch["job_attempt"] == 0 for launch in read_events(cfg.run_dir, "launch"))
+    lost = {int(item.split("rank=")[1]) for item in schedule.split(",")}
+    started = _launchers_started(cfg)
+    for node in range(nodes):  # the lost nodes were replaced once; every other launcher ran from start to end
+        assert started[node] == (2 if node in lost else 1), started
+    log = RunDir(cfg.run_dir).train_log.read_text()
+    assert "its replacement starts (same node index, empty node memory)" in log
+
+
+def test_a_replacement_that_never_comes_restarts_the_whole_job_from_fsx(tmp_path, token_dir, training_config,
+                                                                         clean_losses):
+    cfg = training_config(tmp_path, "never", *STEPS, "--training.num_nodes=2", "--faults.schedule=node_loss@5:rank=1",
+                          "--local.node_replacement_delay_seconds=100000", "--resilience.replacement_timeout_seconds=8")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == 8
+    assert _losses(cfg) == clean_losses[2]
+    [recovery] = read_events(cfg.run_dir, "recovery")
+    assert recovery["mechanism"] == "job_restart"
+    assert recovery["reload_source"] == "disk" and recovery["reloaded_step"] == 3 and recovery["lost_steps"] == 2
+    checkpoint = next(cfg.checkpoint_dir.glob("step-000003*"), None) or next(cfg.checkpoint_dir.glob("step-*"))
+    assert recovery["fsx_bytes_read"] > 0, checkpoint  # hashed by rank 0, then each rank's shards
+    log = RunDir(cfg.run_dir).train_log.read_text()
+    assert "a lost node's replacement did not come in time: the whole job restarts (exit code 43)" in log
+    assert _launchers_started(cfg) == {0: 2, 1: 2, 2: 0}  # both nodes started again by the job's relaunch

@@ -1,0 +1,132 @@
+"""trainer.node_lifecycle: one table says what becomes of a node whose launcher ended, for the local runner and
+for the EKS runtime's podFailurePolicy alike."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from components.train.nodes import node_command
+from trainer.launcher import external_store, is_rendezvous_timeout
+from trainer.node_lifecycle import REPLACEMENT_TIMEOUT_EXIT_CODE, Verdict, pod_failure_policy, verdict
+from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE
+from tests.kube import MANIFESTS
+
+
+def test_every_exit_of_a_node_has_one_verdict():
+    assert verdict(0) is Verdict.FINISHED
+    assert verdict(CRASH_LOOP_EXIT_CODE) is Verdict.FAIL_JOB
+    assert verdict(REPLACEMENT_TIMEOUT_EXIT_CODE) is Verdict.RESTART_JOB
+    for lost in (1, 2, 137, 143, -9, -15):  # an error, SIGKILL (as a code and as a signal), SIGTERM
+        assert verdict(lost) is Verdict.REPLACE_NODE
+
+
+def test_the_runtime_manifest_applies_the_same_table():
+    runtime = yaml.safe_load((MANIFESTS / "base" / "trainer" / "clustertrainingruntime.yaml").read_text())
+    [node] = [job for job in runtime["spec"]["template"]["spec"]["replicatedJobs"] if job["name"] == "node"]
+    assert node["template"]["spec"]["podFailurePolicy"] == pod_failure_policy()
+
+
+class RendezvousTimeoutError(Exception):
+    """Stands for torch elastic's (matched by name: torch's and NVRx's copy each define one)."""
+
+
+def test_a_rendezvous_timeout_is_recognised_through_ft_launchers_exit():
+    """ft_launcher 0.4.1 (launcher.py main) turns any exception into sys.exit(1) inside its handler."""
+    try:
+        try:
+            raise RendezvousTimeoutError()
+        except Exception:
+            sys.exit(1)
+    except SystemExit as err:
+        assert is_rendezvous_timeout(err)
+    assert not is_rendezvous_timeout(SystemExit(1))
+    assert not is_rendezvous_timeout(None)
+
+
+def test_a_launcher_reports_to_the_store_only_when_no_node_hosts_it():
+    assert external_store(["--rdzv-endpoint=h:29400", "--rdzv-conf=join_timeout=5,is_host=false"]) == "h:29400"
+    assert external_store(["--rdzv-endpoint=h:29400", "--rdzv-conf=join_timeout=5"]) is None
+    assert external_store(["--standalone"]) is None
+
+
+def test_each_local_node_has_its_own_memory_and_a_stable_address():
+    command = ["python", "-m", "trainer.launcher", "--node-store=/m/run", "ft_launcher", "--nnodes=3",
+               "--nproc-per-node=2", "-m", "trainer"]
+    assert node_command(command, 2) == ["python", "-m", "trainer.launcher", "--node-store=/m/run/node-2",
+                                        "ft_launcher", "--nnodes=3", "--local-addr=127.0.0.3", "--nproc-per-node=2",
+                                        "-m", "trainer"]
+
+
+def test_the_rendezvous_store_refuses_a_missing_node_count():
+    proc = subprocess.run([sys.executable, "-m", "trainer.rendezvous_store", "--port", "0"], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin"}, timeout=60)
+    assert proc.returncode == 2 and "RESILIENT_TRAIN_RENDEZVOUS_NODES" in proc.stderr
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_rendezvous_store_exits_once_every_node_finished(nodes):
+    from trainer.rendezvous_store import FINISHED_KEY, READY_LINE, connect
+
+    store = subprocess.Popen([sys.executable, "-m", "trainer.rendezvous_store", "--host", "127.0.0.1", "--port", "0",
+                              "--nodes", str(nodes)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = store.stdout.readline()
+        assert line.startswith(READY_LINE)
+        client = connect("127.0.0.1", int(line.split()[-1]))
+        for _ in range(nodes - 1):
+            client.add(FINISHED_KEY, 1)
+        with pytest.raises(subprocess.TimeoutExpired):
+            store.wait(timeout=2)  # one node still training
+        client.add(FINISHED_KEY, 1)
+        assert store.wait(timeout=30) == 0
+    finally:
+        store.kill()
+        store.wait()
+
+
+class FakeNvml:
+    """NVML's calls the check makes, answering as a node with `answering` of its GPUs working."""
+
+    def __init__(self, count: int, broken: set[int] = frozenset()):
+        self.count, self.broken = count, broken
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        if handle in self.broken:
+            raise RuntimeError("GPU is lost")  # pynvml's NVMLError_GpuIsLost, say
+        return object()
+
+
+def test_a_node_joins_only_with_every_gpu_and_efa_device():
+    from trainer.node_health import node_problems
+
+    eight = [f"/dev/infiniband/uverbs{i}" for i in range(32)]
+    assert node_problems(8, 32, nvml=FakeNvml(8), efa_devices=eight) == []
+    assert node_problems(8, 32, nvml=FakeNvml(7), efa_devices=eight) == ["7 GPUs answer NVML, 8 expected"]
+    [lost] = node_problems(8, 32, nvml=FakeNvml(8, {3}), efa_devices=eight)
+    assert lost.startswith("GPU 3 does not answer NVML")
+    [efa] = node_problems(8, 32, nvml=FakeNvml(8), efa_devices=eight[:16])
+    assert efa.startswith("16 EFA devices") and "vpc.amazonaws.com/efa" in efa
+    assert node_problems(0, 0) == []  # a CPU node: nothing to check
+
+
+def test_the_launcher_refuses_an_unfit_node_before_it_joins():
+    """On this machine there is no NVIDIA driver: a launcher told to expect GPUs exits 44 at once, which the
+    runtime treats as a lost node (replaced), not as a crash loop."""
+    from trainer.node_health import NODE_UNHEALTHY_EXIT_CODE
+
+    proc = subprocess.run([sys.executable, "-m", "trainer.launcher", "--check-node=8,32", "torchrun", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == NODE_UNHEALTHY_EXIT_CODE, proc.stderr
+    assert "is not fit to train" in proc.stderr and "8 GPUs expected" in proc.stderr
+    assert verdict(NODE_UNHEALTHY_EXIT_CODE) is Verdict.REPLACE_NODE
+    bad = subprocess.run([sys.executable, "-m", "trainer.launcher", "--check-node=eight", "torchrun", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--check-node= takes GPUS,EFA" in bad.stderr
