@@ -163,6 +163,20 @@ def checkpoint_section(c: dict) -> list[str]:
     return lines
 
 
+def node_loss_goals(r: dict) -> list[list[str]]:
+    """Node loss with real nodes (2 launchers): replacing the lost node against restarting every node."""
+    g, gi = r["goal_ratios"], r["in_run_goal_ratios"]
+    key = "node_replacement/node_loss over whole_job_restart"
+    if key not in g:
+        return []
+    lost = r["lost_steps"]["node_replacement"]["node_loss"]
+    read = r["fsx_bytes_read"]["node_replacement"]["node_loss"]
+    restart_read = r["fsx_bytes_read"]["whole_job_restart"]["node_loss"]
+    return [["2 nodes, node lost: replacing it ≤ 0.25 × restarting every node", f"{g[key]:.2f}", f"{gi[key]:.2f}"],
+            ["... with 0 lost steps (replica waited)", f"{lost} lost", ""],
+            ["... reading 0 bytes from FSx", f"{read} B (the whole-job restart: {restart_read / 1e6:.0f} MB)", ""]]
+
+
 def recovery_section(r: dict) -> list[str]:
     kinds = ["exception", "hang", "sigkill", "node_loss"]
     rows = []
@@ -185,7 +199,9 @@ def recovery_section(r: dict) -> list[str]:
         "recovery events (fault → first step after the resume, less a normal step, plus the replayed steps), which "
         "the machine's noise does not blur (clean runs of one configuration differ by up to "
         f"{max(c['clean_spread_seconds'] for c in r['clean_runs'].values()):.1f} s).", "",
-        f"Result ({when(r)}`{r['command']}`) — wall difference / in-run, lost steps, reload source:", "",
+        f"Result ({when(r)}`{r['command']}`"
+        + "".join(f"; earlier mechanisms: `{c}`" for c in r.get("earlier_commands", []) if c)
+        + ") — wall difference / in-run, lost steps, reload source:", "",
         *table(["mechanism", *kinds], rows),
         *table(["goal", "wall difference", "in-run"], [
             ["SIGKILL, memory tier ≤ 0.35 × full relaunch", f"{g['ft_launcher_memory/sigkill over full_relaunch']:.2f}",
@@ -197,12 +213,39 @@ def recovery_section(r: dict) -> list[str]:
             ["re-init of an in-job restart ≤ 3 s", f"{r['reinit_seconds']:.2f} s", ""],
             ["memory tier every step ≥ 98 % of the throughput", f"{r['memory_tier_throughput_ratio']:.1%} (node memory + "
              f"peer), {r['node_memory_only_throughput_ratio']:.1%} (node memory only)", ""],
+            *node_loss_goals(r),
         ]),
         "Where wall-difference figures miss while in-run ones meet: the clean runs' spread (above), and the restarted "
         "workers starting DCP's writer process again at their next FSx save. The memory tier's throughput on 2 shared "
         "cores: the copy, its hash and the replica's loopback transfer take CPU from the two ranks' compute; on a GPU "
         "node the copy is a device-to-host DMA and the transfer goes over EFA. Figures as JSON: "
         "`bench/results/recovery.json`.", "",
+        *node_loss_notes(r),
+    ]
+
+
+def node_loss_notes(r: dict) -> list[str]:
+    splits = r.get("splits", {})
+    if "node_replacement" not in splits or "whole_job_restart" not in splits:
+        return []
+    replaced, restarted = splits["node_replacement"]["node_loss"][0], splits["whole_job_restart"]["node_loss"][0]
+
+    def phases(s: dict) -> str:
+        return (f"fault → new workers {s['detect_and_teardown_seconds']:.1f} s, their start {s['reinit_seconds']:.1f} s, "
+                f"reload {s['reload_seconds']:.1f} s, first step {s['first_step_seconds']:.1f} s")
+
+    return [
+        "**Node loss with real nodes** (`whole_job_restart`, `node_replacement`): 2 nodes of one rank each, a launcher "
+        "per node, node memory every step with its replica waited; the drill kills node 1's launcher and workers and "
+        "wipes its memory (docs/node-loss.md). Replacing the node: "
+        f"{phases(replaced)}; the survivor kept its launcher and memory, the newcomer received its state from the "
+        "replica, nothing was read from FSx. Restarting every node: "
+        f"{phases(restarted)}, then the 2 steps since the last FSx save again. Most of a replacement here is the new "
+        "launcher's Python start on 2 shared cores (torch imports in the launcher and its fork server); its dead "
+        "predecessor no longer holds up the rendezvous for NVRx's 15 s keep-alive (nvrx_compat."
+        "evict_predecessors_from_rendezvous: ~14 s of 15 s before). On EKS the whole-job restart also waits for the "
+        "gang to be rescheduled (the planner's job_restart_seconds, 270 s) and both wait for a machine for the lost "
+        "node (spare_wait_seconds).", "",
     ]
 
 
@@ -324,7 +367,40 @@ def planner_section() -> list[str]:
                   [ANCHORS[3][0], ANCHORS[3][1], f"1,024 nodes, every layer: "
                    f"{at_1024['in_process+ft_launcher+memory+peer']['goodput']:.1%}"],
               ])]
-    return lines + restart_budget_section()
+    return lines + which_configuration_section() + restart_budget_section()
+
+
+NO_SPARE_WAIT_SECONDS = 600.0  # a new p5 instance from the node group: launch, boot, join, image pull
+
+
+def which_configuration_section() -> list[str]:
+    """What a 2-, 8-, 128- and 1,024-node EKS job should run: the planner's choice among what the deployment
+    implements, with and without a warm spare, and whether one spare pays for itself (its node-hours against the
+    node-hours of the whole job that the shorter wait saves)."""
+    rows = []
+    for nodes in (2, 8, 128, 1024):
+        spare = Costs(nodes=nodes, node_mtbf_hours=NODE_MTBF_HOURS, **SEED_COSTS)
+        none = dataclasses.replace(spare, spare_wait_seconds=NO_SPARE_WAIT_SECONDS)
+        with_spare, without = make_plan(spare), make_plan(none)
+        gain = with_spare.recommended["goodput"] - without.recommended["goodput"]
+        pays = gain * nodes > 1.0  # node-hours saved per hour of the job vs the spare's own hour
+        rows.append([str(nodes), f"**{with_spare.recommended['name']}**, FSx every {with_spare.interval_steps} steps",
+                     f"{with_spare.recommended['goodput']:.2%}", f"{without.recommended['goodput']:.2%}",
+                     f"{gain * nodes:.2f}", "yes (1 spare)" if pays else "no"])
+    return [
+        "### Which configuration an EKS job should use", "",
+        "Every configuration above is one the EKS deployment runs (docs/node-loss.md): with in-job restarts on, a lost "
+        "node's pod is replaced with its index while the others keep running — from the peer replica with the memory "
+        "tier and `checkpoint.peer_replica`, from FSx without; with them off (`resilience.max_restarts=0`), every "
+        "pod is recreated (*relaunch*). A replacement costs the in-job restart, `replacement_seconds` (the new "
+        f"launcher and the state from the peer: {SEED_COSTS['replacement_seconds']:g} s, bench/recovery.py's "
+        "node_replacement) and the wait for a machine, `spare_wait_seconds`: "
+        f"{SEED_COSTS['spare_wait_seconds']:g} s with a warm spare (manifests/components/warm-spares), "
+        f"{NO_SPARE_WAIT_SECONDS:g} s for a new instance without one. A spare pays when the node-hours it saves the "
+        "job (goodput gained × nodes) exceed its own hour.", "",
+        *table(["nodes", "use", "goodput, warm spare", "goodput, no spare", "node-hours saved per hour by a spare",
+                "warm spare?"], rows),
+    ]
 
 
 def _survival(value: float) -> str:

@@ -32,6 +32,7 @@ import os
 import runpy
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import psutil
 
-from trainer.checkpoint.node_store import NODE_STORE_ENV, owner_name, remove_dead_owners
+from trainer.checkpoint.node_folders import NODE_STORE_ENV, owner_name, remove_dead_owners
 from trainer.lease import GENERATION_ENV
 from trainer.node_health import NODE_UNHEALTHY_EXIT_CODE, node_problems
 from trainer.node_lifecycle import (NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_TOKEN_ENV,
@@ -50,11 +51,11 @@ from trainer.node_lifecycle import (NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_T
 from trainer.rendezvous_store import report_finished
 from trainer.parent_watch import forked_children_die_with_this_process, watch_parent
 from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, read_gave_up
-from trainer.resilience.nvrx_compat import (FT_LAUNCHER_MODULE, quiet_health_checks_without_gpu, runtime_launcher_args,
-                                            stable_node_rank)
+from trainer.resilience.nvrx_compat import (FT_LAUNCHER_MODULE, evict_predecessors_from_rendezvous,
+                                            quiet_health_checks_without_gpu, runtime_launcher_args, stable_node_rank)
 from trainer.run_dir import RunDir
 from trainer.system_metrics import SystemMetricsSampler, nvml
-from trainer.warm_start import WARM_START_ENV, wait_until_serving
+from trainer.warm_start import WARM_START_ENV, WARM_START_PID_ENV, wait_until_serving
 
 LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.run"}
 NODE_STORE_OPTION = "--node-store="
@@ -77,14 +78,20 @@ def launch_node_store(root: Path) -> Path:
 
 
 def start_fork_server() -> tuple[subprocess.Popen, Path]:
-    """The node's warm server, and the folder of its socket; its workers find it through WARM_START_ENV."""
+    """The node's warm server, and the folder of its socket; its workers find it through WARM_START_ENV. Not
+    waited for: its imports (seconds) run while ft_launcher starts and meets the other nodes, and a worker
+    asks it only once it serves (trainer.warm_start.run_in_fork_server waits while it is alive)."""
     folder = Path(tempfile.mkdtemp(prefix="rt-fork-"))  # short: a Unix socket path has ~100 characters
     socket_path = folder / "server.sock"
     server = subprocess.Popen([sys.executable, "-m", "trainer.warm_start", str(socket_path)])
-    if wait_until_serving(str(socket_path)):
-        os.environ[WARM_START_ENV] = str(socket_path)
-    else:  # the workers then start cold, as without the server
-        print("trainer.launcher: the fork server did not start within 60 s; workers start cold", file=sys.stderr)
+    os.environ[WARM_START_ENV] = str(socket_path)
+    os.environ[WARM_START_PID_ENV] = str(server.pid)
+
+    def report_a_slow_start() -> None:
+        if not wait_until_serving(str(socket_path), server=server.pid):
+            print("trainer.launcher: the fork server did not start within 60 s; workers start cold", file=sys.stderr)
+
+    threading.Thread(target=report_a_slow_start, name="fork-server-start", daemon=True).start()
     return server, folder
 
 
@@ -209,6 +216,9 @@ def main(argv: list[str]) -> None:
         node = f"node-{os.environ.get(NODE_RANK_ENV, '0')}"
         metrics = SystemMetricsSampler(RunDir(run_dir).system_of(node), SYSTEM_METRICS_SECONDS)
     store_endpoint = external_store(argv)
+    if store_endpoint is not None and launcher == "ft_launcher":
+        local_addr = next((a.split("=", 1)[1] for a in argv if a.startswith("--local-addr=")), socket.getfqdn())
+        evict_predecessors_from_rendezvous(local_addr)
     try:
         with metrics:
             runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from trainer.checkpoint.node_folders import NODE_STORE_ENV
 from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,6 @@ def kill_this_node(reason: str) -> None:
     """The node_loss drill on a node of a multi-node job: everything the node runs dies at once — its launcher
     first (so it restarts nothing), then every process started under it — and its node memory is wiped, as
     when the machine is lost. Does not return."""
-    from trainer.checkpoint.node_store import NODE_STORE_ENV  # torch: only a worker calls this
-
     log.warning("node %s is lost (%s): its launcher, its workers and its node memory go", os.environ.get(
         NODE_RANK_ENV, "?"), reason)
     launcher = int(os.environ[NODE_LAUNCHER_PID_ENV])

@@ -29,6 +29,7 @@ from trainer.parent_watch import die_with_parent, watch_parent, watch_process
 from trainer.worker_clock import WORKER_STARTED_ENV, worker_started_at
 
 WARM_START_ENV = "RESILIENT_TRAIN_FORK_SERVER"  # the server's socket, set by trainer.launcher for its workers
+WARM_START_PID_ENV = "RESILIENT_TRAIN_FORK_SERVER_PID"  # and its process: a worker waits for it while it lives
 _FDS = 3  # stdin, stdout, stderr
 _MAX_REQUEST = 1 << 20
 
@@ -44,6 +45,9 @@ if __name__ == "__mp_main__":
 def run_in_fork_server(socket_path: str, argv: list[str]) -> int | None:
     """Run `python -m trainer argv` as a fork of the server; its exit status, or None when there is no
     server to ask (the caller then runs the trainer in this process)."""
+    server = int(os.environ[WARM_START_PID_ENV]) if os.environ.get(WARM_START_PID_ENV) else None
+    if not wait_until_serving(socket_path, server=server):  # still importing when the first worker starts
+        return None
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         client.connect(socket_path)
@@ -213,10 +217,13 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
         connection.close()
 
 
-def wait_until_serving(socket_path: str, timeout: float = 60.0) -> bool:
-    """True once the server accepts connections (its imports done)."""
+def wait_until_serving(socket_path: str, timeout: float = 60.0, server: int | None = None) -> bool:
+    """True once the server accepts connections (its imports done); False after `timeout`, or at once when the
+    server process (pid `server`, when known) is gone."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server is not None and not _alive(server):
+            return False
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             probe.connect(socket_path)
@@ -226,6 +233,20 @@ def wait_until_serving(socket_path: str, timeout: float = 60.0) -> bool:
         finally:
             probe.close()
     return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by the launcher) is gone too
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 if __name__ == "__main__":

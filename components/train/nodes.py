@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from components.train.processes import (JOB_TOKEN_ENV, CrashLoop, LaunchOutput, TrainingError, TrainingTimeout,
+from components.train.processes import (JOB_TOKEN_ENV, LaunchOutput, TrainingError, TrainingTimeout,
                                         job_processes, launch_env, raise_for_exit)
 from trainer.config import Config
 from trainer.launch_args import trainer_command
@@ -126,8 +126,10 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                         finished.add(index)
                     elif outcome is Verdict.FAIL_JOB:
                         raise_for_exit(cfg, returncode, generation, output, what=f"node {index}")
-                        raise CrashLoop(f"node {index} exited with code {returncode} (a crash loop) without a "
-                                        f"give-up of this launch; log: {run_dir.train_log}")
+                    elif finished:  # training is over (another node finished it): nothing to replace
+                        output.note(f"node {index} exited with {_exit_text(returncode)} after node(s) "
+                                    f"{sorted(finished)} finished training", logging.WARNING)
+                        finished.add(index)
                     elif outcome is Verdict.RESTART_JOB:
                         raise NodeReplacementTimeout(
                             f"node {index} waited resilience.replacement_timeout_seconds="
@@ -145,7 +147,7 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                                            "trainer started)")
                         output.note(f"node {index} lost (its launcher exited with {_exit_text(returncode)} after "
                                     f"{time.monotonic() - node.started:.0f} s): the other nodes keep running; its "
-                                    f"replacement starts in {delay:g} s")
+                                    f"replacement starts in {delay:g} s", logging.WARNING)
                         replacements[index] = time.monotonic() + delay
                 for index, due in list(replacements.items()):
                     if time.monotonic() >= due:

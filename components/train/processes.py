@@ -133,9 +133,9 @@ class LaunchOutput:
                 self.tail.append(prefix + line)
                 sys.stdout.write(prefix + line)
 
-    def note(self, message: str) -> None:
+    def note(self, message: str, level: int = logging.INFO) -> None:
         """A line of the runner's own (node starts and losses), in train.log beside the nodes' output."""
-        log.warning("%s", message)
+        log.log(level, "%s", message)
         with self._lock:
             self.log_file.write(f"[nodes] {message}\n")
             self.log_file.flush()

@@ -85,3 +85,34 @@ def test_without_a_server_the_worker_starts_cold(tmp_path):
                      "--training.num_steps=0")
     _, stderr = client.communicate(timeout=120)
     assert client.returncode == 2 and "training.num_steps" in stderr
+
+
+def test_a_worker_waits_for_a_server_still_importing_and_not_for_one_that_died(tmp_path, token_dir,
+                                                                             training_config):
+    """trainer.launcher no longer waits for its server before ft_launcher starts (the imports overlap the
+    rendezvous): the first worker may ask while the server imports. It waits as long as the server lives (the
+    trainer then runs as the server's child), and starts cold at once when the server is gone."""
+    from trainer.warm_start import WARM_START_PID_ENV
+
+    socket_path = tmp_path / "server.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.warm_start", str(socket_path)])
+    cfg = training_config(tmp_path, "early", "--training.num_steps=50", "--faults.schedule=hang@2",
+                          "--checkpoint.memory_interval_steps=0")
+    config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
+    client = subprocess.Popen([sys.executable, "-m", "trainer", "--config", str(config), "--data-dir", str(token_dir)],
+                              env={**os.environ, WARM_START_ENV: str(socket_path), WARM_START_PID_ENV: str(proc.pid)})
+    try:
+        assert not socket_path.exists()  # asked before the server serves
+        deadline = time.monotonic() + 120
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            assert client.poll() is None
+            time.sleep(0.1)
+        assert len(psutil.Process(proc.pid).children()) == 1  # the trainer is the server's fork, not a cold start
+    finally:
+        client.kill()
+        client.wait()
+        proc.kill()
+        proc.wait()
+    started = time.monotonic()
+    assert wait_until_serving(str(tmp_path / "gone.sock"), timeout=60, server=proc.pid) is False
+    assert time.monotonic() - started < 5

@@ -130,3 +130,43 @@ def test_the_launcher_refuses_an_unfit_node_before_it_joins():
     bad = subprocess.run([sys.executable, "-m", "trainer.launcher", "--check-node=eight", "torchrun", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--check-node= takes GPUS,EFA" in bad.stderr
+
+
+def test_a_replacement_evicts_its_predecessor_from_the_rendezvous_at_once(monkeypatch):
+    """NVRx 0.4.1's rendezvous starts a new round only once every participant of the last one has left; a dead one
+    leaves when it has missed 3 keep-alives of 5 s (hard-coded in FtRendezvousHandler.from_backend). Measured
+    here: a replacement waited ~14 s of its 15 s downtime for that. A participant with the replacement's
+    address and another pid is its predecessor (one launcher per address), and is dropped at the first sync."""
+    import datetime
+    import os
+
+    rendezvous = pytest.importorskip("nvidia_resiliency_ext.fault_tolerance._ft_rendezvous")
+    from trainer.resilience import nvrx_compat
+
+    holder_class = rendezvous._BackendRendezvousStateHolder
+    monkeypatch.setattr(holder_class, "_sanitize", holder_class._sanitize)  # restored after the test
+    now = datetime.datetime.utcnow()
+    predecessor = rendezvous._NodeDesc("127.0.0.2", 4242, 0)
+    itself = rendezvous._NodeDesc("127.0.0.2", os.getpid(), 0)
+    survivor = rendezvous._NodeDesc("127.0.0.1", 4343, 0)
+
+    def synced_view():
+        holder = object.__new__(holder_class)
+        holder._state = rendezvous._RendezvousState()
+        holder._state.complete = True
+        holder._state.participants = {predecessor: 1}
+        holder._state.last_heartbeats = {predecessor: now, itself: now, survivor: now}
+        holder._settings = rendezvous.RendezvousSettings(
+            "run", 2, 2, rendezvous.RendezvousTimeout(), keep_alive_interval=datetime.timedelta(seconds=5),
+            keep_alive_max_attempt=3)
+        holder._dead_nodes = []
+        return holder
+
+    unpatched = synced_view()
+    unpatched._sanitize()
+    assert predecessor in unpatched._state.participants  # alive for 15 s more, as far as NVRx can tell
+    assert nvrx_compat.evict_predecessors_from_rendezvous("127.0.0.2") is True
+    patched = synced_view()
+    patched._sanitize()
+    assert patched._state.participants == {} and set(patched._state.last_heartbeats) == {itself, survivor}
+    assert patched._state.complete is False and patched._state.round == 1  # the next round can start

@@ -31,11 +31,13 @@ import psutil
 import torch
 import xxhash
 
+# The folders' names and lifetimes, light enough for trainer.launcher (no torch); re-exported here.
+from trainer.checkpoint.node_folders import (META, NODE_STORE_ENV, holds_a_copy, owner_name,  # noqa: F401
+                                             remove_dead_owners)
+
 log = logging.getLogger(__name__)
 
-NODE_STORE_ENV = "RESILIENT_TRAIN_NODE_STORE"  # the launch's store folder, set by trainer.launcher
 DATA = "state.bin"
-META = "meta.json"
 SLOTS = ("slot-0", "slot-1")
 _ALIGN = 64
 _CHUNK = 1 << 20
@@ -61,34 +63,6 @@ def node_store_folder(memory_dir: str, run_id: str) -> Path:
         os.environ[NODE_STORE_ENV] = str(folder)
         atexit.register(shutil.rmtree, folder, True)
     return Path(os.environ[NODE_STORE_ENV])
-
-
-def owner_name(kind: str, proc: psutil.Process) -> str:
-    """A folder name that identifies its owning process for good: pid and start time (pids are reused)."""
-    return f"{kind}-{proc.pid}-{int(proc.create_time() * 100)}"
-
-
-def remove_dead_owners(root: Path) -> list[Path]:
-    """Remove the launch-*/process-* folders under root whose owning process is gone; returns them."""
-    removed = []
-    for folder in [*Path(root).glob("launch-*"), *Path(root).glob("process-*")]:
-        kind, _, rest = folder.name.partition("-")
-        try:
-            alive = owner_name(kind, psutil.Process(int(rest.split("-")[0]))) == folder.name
-        except (ValueError, IndexError, psutil.NoSuchProcess, psutil.AccessDenied):
-            alive = False
-        if not alive:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    if removed:
-        log.info("freed the node memory of %d process(es) that are gone: %s", len(removed),
-                 ", ".join(f.name for f in removed))
-    return removed
-
-
-def holds_a_copy(folder: str | Path | None) -> bool:
-    """Whether a store folder holds any committed copy (own or replica) — a look at the listing, nothing read."""
-    return bool(folder) and next(Path(folder).glob(f"node-*/*/slot-*/{META}"), None) is not None
 
 
 # -- one state dict <-> bytes --------------------------------------------------------------------------

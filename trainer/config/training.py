@@ -421,7 +421,8 @@ class FaultsConfig:
     schedule: str = ""
     """Comma-separated faults, TYPE@STEP or TYPE@t=SECONDS with an optional :rank=R, e.g.
     'sigkill@120:rank=1, hang@200'. Types: exception, hang, hang_in_collective, sigkill, exit (OOM-like,
-    code 137), slow_rank, checkpoint_writer_crash, node_loss (SIGKILL with the rank's node memory wiped),
+    code 137), slow_rank, checkpoint_writer_crash, node_loss (SIGKILL with the rank's node memory wiped; in a
+    multi-node job its whole node: launcher, workers, node memory),
     corrupt_memory (SIGKILL with its newest memory copy corrupted), and the save drills kill_during_shard_write,
     kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
     sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not
