@@ -203,8 +203,7 @@ class TrainingConfig:
     """Training processes per node (GPUs per node on EKS; CPU ranks locally)."""
 
     num_nodes: int = 1
-    """Nodes in the training job. Locally, N > 1 runs one launcher per node on this machine (each with its own
-    node memory), meeting in a rendezvous outside every node, as on EKS (docs/node-loss.md)."""
+    """Nodes in the job; locally N > 1 runs a launcher per node, each with its own node memory (docs/node-loss.md)."""
 
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto picks nccl when CUDA is available, else gloo."""

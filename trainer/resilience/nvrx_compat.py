@@ -9,6 +9,7 @@ versions, and the launch-command helpers here must stay importable where neither
 from __future__ import annotations
 
 import datetime
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -161,8 +162,6 @@ def evict_predecessors_from_rendezvous(local_addr: str) -> bool:
     Returns whether it is installed: not where NVRx's rendezvous lacks the state holder patched here (then the
     keep-alive timeout applies)."""
     try:
-        import importlib
-
         rendezvous = importlib.import_module("nvidia_resiliency_ext.fault_tolerance._ft_rendezvous")  # optional NVRx
         holder = rendezvous._BackendRendezvousStateHolder
         holder._sanitize  # noqa: B018 - present, or this NVRx has another design
