@@ -227,8 +227,9 @@ def main(argv: list[str]) -> None:
             give_up.stop()
         if is_rendezvous_timeout(err) and not (give_up is not None and give_up.matches(read_gave_up(run_dir))):
             print(f"trainer.launcher: node {os.environ.get(NODE_RANK_ENV, '?')}: the rendezvous timed out waiting for "
-                  f"every node ({err}); a lost node's replacement did not come in time: the whole job restarts "
-                  f"(exit code {REPLACEMENT_TIMEOUT_EXIT_CODE})", file=sys.stderr, flush=True)
+                  "every node (its join_timeout: resilience.replacement_timeout_seconds); a lost node's replacement "
+                  f"did not come in time: the whole job restarts (exit code {REPLACEMENT_TIMEOUT_EXIT_CODE})",
+                  file=sys.stderr, flush=True)
             sys.exit(REPLACEMENT_TIMEOUT_EXIT_CODE)
         if give_up is None or not give_up.matches(read_gave_up(run_dir)):
             raise
