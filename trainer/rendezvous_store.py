@@ -45,9 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (0: any free port, printed)")
     parser.add_argument("--nodes", type=int, default=int(os.environ.get(NODES_ENV, 0)),
                         help=f"nodes that report finishing before it exits (default: ${NODES_ENV})")
+    parser.add_argument("--die-with-parent", action="store_true",
+                        help="exit when the process that started it is gone (the local train step's runner)")
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error(f"--nodes (or ${NODES_ENV}) must be a node count >= 1")
+    if args.die_with_parent:  # a killed runner must not leave a store behind (seen: one outlived its run)
+        from trainer.parent_watch import watch_parent  # noqa: PLC0415 - only for a local store
+
+        watch_parent()
     import torch.distributed as dist  # after the arguments: a usage error answers at once
 
     store = dist.TCPStore(args.host, args.port, is_master=True, wait_for_workers=False,

@@ -67,7 +67,7 @@ def node_command(command: list[str], index: int) -> list[str]:
 
 def start_rendezvous_store(env: dict[str, str], nodes: int) -> tuple[subprocess.Popen, int]:
     store = subprocess.Popen([sys.executable, "-m", "trainer.rendezvous_store", "--host", "127.0.0.1", "--port", "0",
-                              "--nodes", str(nodes)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              "--nodes", str(nodes), "--die-with-parent"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     for line in store.stdout:

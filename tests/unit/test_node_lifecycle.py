@@ -170,3 +170,20 @@ def test_a_replacement_evicts_its_predecessor_from_the_rendezvous_at_once(monkey
     patched._sanitize()
     assert patched._state.participants == {} and set(patched._state.last_heartbeats) == {itself, survivor}
     assert patched._state.complete is False and patched._state.round == 1  # the next round can start
+
+
+def test_a_local_rendezvous_store_goes_with_the_runner_that_started_it():
+    """Seen: a store outlived a run whose runner was killed. Started with --die-with-parent (as the local runner
+    starts it), it exits when its parent does."""
+    import psutil
+
+    runner = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', 'trainer.rendezvous_store', "
+        "'--host', '127.0.0.1', '--port', '0', '--nodes', '1', '--die-with-parent'], stdout=subprocess.PIPE, "
+        "text=True); p.stdout.readline(); print(p.pid, flush=True); time.sleep(600)")], stdout=subprocess.PIPE,
+        text=True)
+    store = psutil.Process(int(runner.stdout.readline()))
+    runner.kill()
+    runner.wait()
+    gone, alive = psutil.wait_procs([store], timeout=10)
+    assert not alive
