@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/checkpoint.py                 # ≥ 100 M params (preset small), 2 CPU ranks, ~20 min
     .venv/bin/python bench/checkpoint.py --preset tiny --samples 1   # a quick check of the harness
+    .venv/bin/python bench/checkpoint.py --load-only     # only the load figures (one training run, ~3 min),
+                                                         # merged into the existing results file
 
 Everything is measured side by side in one invocation (the machine is shared and noisy) and reported as
 ratios. Configurations, run in turn `--samples` times (none, sync, async, peer, async_process, none, ...), each the
@@ -17,8 +19,13 @@ Definitions:
 - throughput: steps/s over the same window of steps for every configuration (after the second save: the
   first async save also starts DCP's writer, a one-time cost reported on its own), divided by the same
   sample's no-checkpoint run; median and spread (min–max) over the samples;
-- load_seconds / raw_read_seconds: DCP load of the last checkpoint vs. a raw sequential read of the same
-  shard files (page cache warm for both); raw_read_over_load = their ratio (1 = DCP adds nothing).
+- loads (bench/checkpoint_probe.py, every rank at once, the slowest rank, best of 3): a raw sequential read
+  of each rank's shard file against loading the checkpoint into the trainer's state with DCP's own reader
+  and with the project's (trainer/checkpoint/fast_reader.py, verifying as it reads; and without verifying),
+  page cache warm and cold. `load_over_raw_read` = raw read seconds / the project's load seconds (1.0 = as
+  fast as a plain read; goal ≥ 0.7), `dcp_load_over_raw_read` the same for DCP's reader. The raw read
+  reuses one 16 MB buffer (it stays in the CPU cache); `raw_read_whole` reads into one buffer of the file's
+  size, writing every byte to memory as a load must: `load_over_raw_read_whole` compares with that.
 Writes bench/results/checkpoint.json.
 """
 
@@ -91,6 +98,51 @@ def _plain(cfg, data: Path, scratch: Path) -> tuple[Path, list[dict]]:
     return out / "metrics.jsonl", saves
 
 
+def _probe(scratch: Path, args, data: Path, cfg, checkpoint: str) -> list[dict]:
+    """bench/checkpoint_probe.py under torchrun on `checkpoint`: every rank's memcpy, raw read and load figures."""
+    probe_out = scratch / "probe.json"
+    probe_cfg = scratch / "probe.yaml"
+    probe_cfg.write_text(_config(scratch, "probe", args, "--checkpoint.enabled=false").to_yaml())
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={cfg.training.nproc_per_node}", str(ROOT / "bench" / "checkpoint_probe.py"),
+                    str(probe_cfg), str(data), checkpoint, str(probe_out)], check=True, cwd=ROOT)
+    return json.loads(probe_out.read_text())
+
+
+def _load_figures(probe: list[dict]) -> dict:
+    """The slowest rank's seconds for each way of loading, and the ratios to a raw read of the same files."""
+    figures = {}
+    for cache in ("warm", "cold"):
+        seconds = {name: max(p[f"{name}_{cache}_seconds"] for p in probe)
+                   for name in ("raw_read", "raw_read_whole", "dcp_load", "load", "load_unverified")}
+        figures[f"loads_{cache}_seconds"] = seconds
+        suffix = "" if cache == "warm" else "_cold"
+        figures[f"load_over_raw_read{suffix}"] = seconds["raw_read"] / seconds["load"]
+        figures[f"load_unverified_over_raw_read{suffix}"] = seconds["raw_read"] / seconds["load_unverified"]
+        figures[f"dcp_load_over_raw_read{suffix}"] = seconds["raw_read"] / seconds["dcp_load"]
+        figures[f"load_over_raw_read_whole{suffix}"] = seconds["raw_read_whole"] / seconds["load"]
+    figures["load_bytes_per_rank"] = max(p["raw_read_bytes"] for p in probe)
+    # The names earlier results used: DCP's own load against the raw read, warm.
+    figures["load_seconds"] = figures["loads_warm_seconds"]["dcp_load"]
+    figures["raw_read_seconds"] = figures["loads_warm_seconds"]["raw_read"]
+    figures["raw_read_over_load"] = figures["dcp_load_over_raw_read"]
+    return figures
+
+
+def _load_only(args, scratch: Path, data: Path) -> int:
+    """One training run that commits a checkpoint, the probe on it, its figures merged into args.output."""
+    cfg = _config(scratch, "load-only", args, "--checkpoint.mode=async")
+    run_local_training(cfg, data)
+    committed = read_events(cfg.run_dir, "checkpoint_committed")
+    figures = _load_figures(_probe(scratch, args, data, cfg, committed[-1]["path"]))
+    previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
+    merged = {key: value for key, value in previous.items() if key not in ("command", "measured_at", "machine")}
+    merged.update(figures, load_checkpoint_bytes=committed[-1]["bytes"])
+    write_results(args.output, merged, "bench/checkpoint.py")
+    print(json.dumps({k: v for k, v in figures.items()}, indent=1))
+    return 0
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
@@ -106,11 +158,15 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "checkpoint.json")
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
+    parser.add_argument("--load-only", action="store_true",
+                        help="measure the loads only and merge them into --output (one training run)")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
         data = demo_token_dir(scratch)
+        if args.load_only:
+            return _load_only(args, scratch, data)
         options = {"none": ["--checkpoint.enabled=false"], "sync": ["--checkpoint.mode=sync"],
                    "async": ["--checkpoint.mode=async"], "peer": ["--checkpoint.enabled=false"],
                    "async_process": ["--checkpoint.mode=async", "--checkpoint.async_executor=process"]}
@@ -141,16 +197,8 @@ def main() -> int:
             return statistics.median(s[key] for run in saves[name] for s in run if s["step"] >= window_start)
 
         committed = read_events(last_cfg.run_dir, "checkpoint_committed")
-        probe_out = scratch / "probe.json"
-        probe_cfg = scratch / "probe.yaml"
-        probe_cfg.write_text(_config(scratch, "probe", args, "--checkpoint.enabled=false").to_yaml())
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={last_cfg.training.nproc_per_node}", str(ROOT / "bench" / "checkpoint_probe.py"),
-                        str(probe_cfg), str(data), committed[-1]["path"], str(probe_out)], check=True, cwd=ROOT)
-        probe = json.loads(probe_out.read_text())
+        probe = _probe(scratch, args, data, last_cfg, committed[-1]["path"])
         memcpy = max(p["memcpy_seconds"] for p in probe)
-        load = max(p["load_seconds"] for p in probe)
-        raw_read = max(p["raw_read_seconds"] for p in probe)
 
         first_async = [run[0] for run in saves["async"]]
         figures = {
@@ -184,9 +232,7 @@ def main() -> int:
             # Within a round the configurations ran back to back: ours over the plain one, round by round.
             "throughput_async_over_peer": _spread([a / p for a, p in zip(steps_per_second["async"],
                                                                          steps_per_second["peer"])]),
-            "load_seconds": load,
-            "raw_read_seconds": raw_read,
-            "raw_read_over_load": raw_read / load,
+            **_load_figures(probe),
         }
         figures["loop_wait_async_over_peer"] = figures["loop_wait_async_seconds"] / figures["loop_wait_peer_seconds"]
         figures["loop_wait_async_over_sync"] = figures["loop_wait_async_seconds"] / figures["loop_wait_sync_seconds"]

@@ -3,13 +3,17 @@
 Builds the same Trainer as the benchmark runs (so the state is the real sharded model + AdamW state),
 takes one step so the optimizer state exists, then measures on every rank:
 - a warm memcpy of this rank's whole state into preallocated buffers (the floor for a blocking stall);
-- dcp.load of the given checkpoint into that state;
-- a raw sequential read of this rank's shard file of the same checkpoint.
+- a raw sequential read of this rank's shard file of the same checkpoint;
+- loads of the checkpoint into that state: DCP's own reader (``dcp.load``), the project's (``load_checkpoint``:
+  FastReader, verifying each file as it reads) and the project's without verification;
+each with the page cache warm, then again cold (every file of the checkpoint evicted with
+posix_fadvise(DONTNEED) first: works without root, on the files only).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -19,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint.load import load_checkpoint
 from trainer.config import load_config
 from trainer.trainer import Trainer
 
@@ -43,6 +48,35 @@ def _read_file(path: Path, chunk: int = 16 << 20) -> int:
     return total
 
 
+def _read_whole(path: Path, buffer: torch.Tensor) -> int:
+    """The file into one buffer of its size, already touched: a read that also writes every byte to memory,
+    as a load must (the chunked raw read reuses one 16 MB buffer, which stays in the CPU's cache)."""
+    view = memoryview(buffer.numpy()).cast("B")
+    with path.open("rb", buffering=0) as handle:
+        return handle.readinto(view)
+
+
+def _evict(folder: Path) -> None:
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed(run, cold: bool, folder: Path) -> float:
+    """Seconds for run() on every rank at once (the slowest rank's figure is taken by the caller)."""
+    if cold:
+        _evict(folder)
+    dist.barrier()
+    started = time.perf_counter()
+    run()
+    seconds = time.perf_counter() - started
+    dist.barrier()
+    return seconds
+
+
 def main() -> int:
     config_path, data_dir, checkpoint, out = sys.argv[1:5]
     cfg = load_config(config_path)
@@ -61,19 +95,20 @@ def main() -> int:
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
     rank = dist.get_rank()
-    shard = Path(checkpoint) / f"__{rank}_0.distcp"
-    dist.barrier()
-    started = time.perf_counter()
-    raw_bytes = _read_file(shard)
-    raw_seconds = time.perf_counter() - started
-    dist.barrier()
-    started = time.perf_counter()
-    dcp.load(state, checkpoint_id=checkpoint)
-    load_seconds = time.perf_counter() - started
-    dist.barrier()
-
-    mine = {"rank": rank, "memcpy_seconds": memcpy_seconds, "state_bytes": state_bytes, "raw_read_seconds": raw_seconds,
-            "raw_read_bytes": raw_bytes, "load_seconds": load_seconds}
+    folder = Path(checkpoint)
+    shard = folder / f"__{rank}_0.distcp"
+    whole = torch.ones(shard.stat().st_size, dtype=torch.uint8)
+    loads = {"raw_read": lambda: _read_file(shard), "raw_read_whole": lambda: _read_whole(shard, whole),
+             "dcp_load": lambda: dcp.load(state, checkpoint_id=checkpoint),
+             "load": lambda: load_checkpoint(state, folder),
+             "load_unverified": lambda: load_checkpoint(state, folder, verify=False)}
+    mine = {"rank": rank, "memcpy_seconds": memcpy_seconds, "state_bytes": state_bytes,
+            "raw_read_bytes": shard.stat().st_size}
+    for cold in (False, True):
+        for name, run in loads.items():
+            runs = [_timed(run, cold, folder) for _ in range(3)]
+            mine[f"{name}_{'cold' if cold else 'warm'}_seconds"] = min(runs)
+    mine["raw_read_seconds"], mine["load_seconds"] = mine["raw_read_warm_seconds"], mine["dcp_load_warm_seconds"]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from trainer import logs
-from trainer.checkpoint.format import CheckpointError, load_model_from_checkpoint, verify_checkpoint
+from trainer.checkpoint.format import CheckpointError, verify_checkpoint
+from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)

@@ -258,6 +258,10 @@ class Trainer:
             log.info("resuming at step %d (state from %s)", self.step, source)
         elif self._weights_pending:  # nothing to resume from after all: the weights a normal build gives
             copy_initial_weights(self.model, load_or_build_model(**self._build_model_args, seed=self.cfg.run.seed))
+            # A checkpoint that failed its hashes part-way through the load (they are checked as it is read)
+            # may have written into the optimizer's state too: a fresh run starts from a fresh one.
+            self.optimizer.state.clear()
+            initialize_state(self.optimizer)
         self._weights_pending = False
         self.resilience.note_resume(step if source != "none" else None, load_started, time.perf_counter() - started,
                                     source, fsx_bytes_read=int(fsx_bytes_read.item()))

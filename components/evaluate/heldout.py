@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint.format import load_model_from_checkpoint
+from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.data import TokenBatches
 from trainer.tokenizer import load_tokenizer
 

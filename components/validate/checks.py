@@ -1,6 +1,7 @@
 """check_checkpoint: nobody loads, evaluates or ships a checkpoint that is incomplete or corrupt.
 
-Checks, in order (each needs the previous): the manifest and every file it lists (size, xxh3-128); the
+Checks, in order (each needs the previous): the manifest and every file it lists (size here, xxh3-128 while
+the load below reads it: one read of the checkpoint for both); the
 checkpoint belongs to the expected run (when one is given); DCP metadata consistent with the manifest
 (model config shapes, one shard file per training rank, the recorded step); a load into one process (a
 different world size than training used, proving the checkpoint reshards); finite parameters and
@@ -16,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.checkpoint.format import MANIFEST, CheckpointError, load_model_from_checkpoint, verify_checkpoint
+from trainer.checkpoint.fast_reader import FastReader
+from trainer.checkpoint.format import MANIFEST, CheckpointError, verify_checkpoint
+from trainer.checkpoint.load import load_checkpoint, load_model_from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def check_checkpoint(folder: Path, expected_run_id: str | None = None) -> dict[s
         raise CheckpointValidationError(f"checkpoint {folder} failed validation: {reason} "
                                         f"(checks passed: {', '.join(checks) or 'none'})")
 
-    verified = verify_checkpoint(folder)
+    verified = verify_checkpoint(folder, hash_files=False)  # the content hashes: checked by the load's one read
     if not verified.ok:
         fail("; ".join(verified.problems))
     checks.append("manifest")
@@ -57,7 +58,7 @@ def check_checkpoint(folder: Path, expected_run_id: str | None = None) -> dict[s
         fail(f"{folder / MANIFEST}: records step {manifest['step']}, the folder says {folder.name}")
 
     try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
+        metadata = FastReader(folder).read_metadata()  # unpickled only once its hash matched the manifest
     except Exception as err:  # DCP raises assorted errors for unreadable metadata
         fail(f"{folder / '.metadata'}: unreadable DCP metadata ({err})")
     stored = {key: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items() if hasattr(meta, "size")}
@@ -75,7 +76,9 @@ def check_checkpoint(folder: Path, expected_run_id: str | None = None) -> dict[s
     started = time.perf_counter()
     try:
         model, _ = load_model_from_checkpoint(folder, verified)
-    except (CheckpointError, RuntimeError, ValueError) as err:
+    except CheckpointError as err:  # a file's content hash, found by the load's read
+        fail(str(err))
+    except (RuntimeError, ValueError) as err:
         fail(f"load into a single process failed: {err}")
     load_seconds = time.perf_counter() - started
     checks.append("reshard_load")
@@ -104,14 +107,15 @@ def _step_and_optimizer_check(folder: Path, metadata, fail) -> tuple[int, int]:
     checked = 0
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(step_state, checkpoint_id=str(folder), no_dist=True)
+        # Verified by the model's load a moment ago, in this process: these reads come from the page cache.
+        load_checkpoint(step_state, folder, no_dist=True, verify=False)
         optim_keys = [k for k, m in entries.items() if k.startswith("optim.") and isinstance(m, TensorStorageMetadata)]
         for start in range(0, len(optim_keys), 64):  # bounded memory: a few tensors per read
             batch = {}
             for key in optim_keys[start : start + 64]:
                 meta = entries[key]
                 batch[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-            dcp.load(batch, checkpoint_id=str(folder), no_dist=True)
+            load_checkpoint(batch, folder, no_dist=True, verify=False)
             for key, tensor in batch.items():
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
                     fail(f"optimizer state {key} holds NaN or Inf values")

@@ -99,7 +99,12 @@ def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(
     assert stale_folders(cfg.checkpoint_dir) == []
 
 
-def test_a_corrupt_newest_checkpoint_is_skipped_with_a_log_line(trained_run, tmp_path, token_dir, training_config):
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_corrupt_newest_checkpoint_is_skipped_with_a_log_line(trained_run, tmp_path, token_dir, training_config,
+                                                                 damage):
+    """Truncated: the size check before any read skips it. Flipped byte: found by the load's own hashing
+    (FastReader) after it may already have written into the state; the older checkpoint's load must then
+    overwrite all of it, so the replayed steps are bit-identical to the original run's."""
     import shutil
 
     cfg, _ = trained_run
@@ -107,15 +112,24 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_log_line(trained_run, tmp
     for name in ("step-000004", "step-000008"):
         shutil.copytree(cfg.checkpoint_dir / name, resumed.checkpoint_dir / name)
     shard = sorted((resumed.checkpoint_dir / "step-000008").glob("*.distcp"))[0]
-    with shard.open("r+b") as handle:  # truncate the newest checkpoint's shard
-        handle.truncate(100)
+    with shard.open("r+b") as handle:
+        if damage == "truncated":
+            handle.truncate(100)
+        else:
+            handle.seek(shard.stat().st_size // 2)
+            byte = handle.read(1)
+            handle.seek(-1, 1)
+            handle.write(bytes([byte[0] ^ 0x01]))
 
     result = run_local_training(resumed, token_dir)
     log = (resumed.run_dir / "train.log").read_text()
-    assert "skipping checkpoint" in log and "step-000008" in log and "truncated" in log
+    assert "skipping checkpoint" in log and "step-000008" in log
+    assert ("truncated" if damage == "truncated" else "content hash (xxh3_128) differs") in log
     assert "resumed from" in log and "step-000004" in log
     assert result["steps_this_launch"] == 4
     assert verify_checkpoint(resumed.checkpoint_dir / "step-000008").ok  # replayed and committed anew
+    replayed = losses(resumed)
+    assert replayed == {step: loss for step, loss in losses(cfg).items() if step in replayed}
 
 
 # A SIGKILL at each sub-step of a save (trainer.resilience.faults.SAVE_KILLS), one drill per save, in one run.

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trainer.checkpoint.format import load_model_from_checkpoint
+from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.config import load_config
 from trainer.export import export_hf
 from trainer.model import load_or_build_model

@@ -75,7 +75,7 @@ def test_nan_weights_fail_even_with_a_consistent_manifest(checkpoint_copy):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from trainer.checkpoint.format import load_model_from_checkpoint
+    from trainer.checkpoint.load import load_model_from_checkpoint
 
     model, manifest = load_model_from_checkpoint(checkpoint_copy)
     state = {"model": model.state_dict()}

@@ -21,20 +21,15 @@ import logging
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 import xxhash
-from transformers import LlamaConfig
 
 from trainer.checkpoint import reads
-from trainer.model import build_model, set_special_token_ids
 from trainer.run_dir import write_json
-from trainer.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +49,7 @@ def step_dir_name(step: int) -> str:
 HASH_ALGORITHM = "xxh3_128"
 
 
-def _hasher(algorithm: str):
+def hasher(algorithm: str):
     if algorithm == "xxh3_128":
         return xxhash.xxh3_128()
     if algorithm == "sha256":
@@ -64,7 +59,7 @@ def _hasher(algorithm: str):
 
 def hash_file(path: Path, algorithm: str = HASH_ALGORITHM, chunk_bytes: int = 8 << 20) -> str:
     """Content hash for corruption detection (not tamper-proofing: the manifest sits beside the data)."""
-    digest = _hasher(algorithm)
+    digest = hasher(algorithm)
     with path.open("rb") as handle:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
@@ -103,14 +98,16 @@ class Verification:
     path: Path
     problems: list[str]
     manifest: dict[str, Any] | None
+    hashed: bool = True  # the files' content hashes were checked (not only their sizes)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify_checkpoint(folder: Path) -> Verification:
-    """Check that every file the manifest lists exists with its size and content hash."""
+def verify_checkpoint(folder: Path, hash_files: bool = True) -> Verification:
+    """Check that every file the manifest lists exists with its size and (with `hash_files`) content hash.
+    Without hashing it is a directory listing: for a caller whose load verifies as it reads (FastReader)."""
     folder = Path(folder)
     manifest_path = folder / MANIFEST
     if not folder.is_dir():
@@ -134,9 +131,9 @@ def verify_checkpoint(folder: Path) -> Verification:
         size = path.stat().st_size
         if size != expected["bytes"]:
             problems.append(f"{path}: {size} bytes, manifest says {expected['bytes']} (truncated or overwritten)")
-        elif hash_file(path, algorithm) != expected["hash"]:
+        elif hash_files and hash_file(path, algorithm) != expected["hash"]:
             problems.append(f"{path}: content hash ({algorithm}) differs from the manifest (corrupted)")
-    return Verification(folder, problems, manifest)
+    return Verification(folder, problems, manifest, hashed=hash_files)
 
 
 STALE_SUFFIXES = (".tmp", ".deleting")  # a save that never committed; a deletion that never finished
@@ -165,10 +162,13 @@ def committed_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_valid_checkpoint(directory: Path) -> Verification | None:
-    """The newest checkpoint whose manifest verifies; broken newer ones are logged and skipped."""
+def latest_valid_checkpoint(directory: Path, hash_files: bool = True, exclude=()) -> Verification | None:
+    """The newest checkpoint (not in `exclude`) whose manifest verifies; broken newer ones are logged and
+    skipped. Without `hash_files` only the sizes are checked (for a load that hashes as it reads)."""
     for step, folder in reversed(committed_checkpoints(directory)):
-        result = verify_checkpoint(folder)
+        if folder in exclude:
+            continue
+        result = verify_checkpoint(folder, hash_files)
         if result.ok:
             return result
         log.warning("skipping checkpoint %s (step %d): %s", folder, step, "; ".join(result.problems))
@@ -181,26 +181,3 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def load_model_from_checkpoint(folder: Path, verified: Verification | None = None):
-    """An unsharded LlamaForCausalLM with the checkpoint's weights, in this one process.
-
-    Works for any world size the checkpoint was written with (DCP reshards on load). The manifest is
-    verified first unless a passing Verification is given: DCP metadata is only read from verified folders.
-    """
-    verified = verified or verify_checkpoint(folder)
-    if not verified.ok:
-        raise CheckpointError("; ".join(verified.problems))
-    config = LlamaConfig.from_dict(verified.manifest["model_config"])
-    model = build_model(config, seed=0)
-    # From the tokenizer the checkpoint was trained with: also right for checkpoints whose model config still
-    # carries LlamaConfig's default ids.
-    set_special_token_ids(model, load_tokenizer(verified.manifest.get("tokenizer", "byte")).special_token_ids())
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # DCP warns about single-process loads even when asked for one
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    model.load_state_dict(state["model"])
-    model.eval()
-    return model, verified.manifest

@@ -32,15 +32,13 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.backends import FailedWrite, PendingWrite, forget_cached_save_plans, make_backend
-from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, fsync_dir, latest_valid_checkpoint, stale_folders,
-                                       step_dir_name, verify_checkpoint, write_manifest)
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.format import (MANIFEST, CheckpointError, committed_checkpoints, fsync_dir, latest_valid_checkpoint,
+                                       stale_folders, step_dir_name, verify_checkpoint, write_manifest)
 from trainer.checkpoint.memory import MemoryTier
-from trainer.checkpoint.reads import CountingReader
 from trainer.checkpoint.s3_tier import S3Tier, S3TierError
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog
@@ -371,19 +369,26 @@ class CheckpointManager:
         (step 0, state untouched). Rank 0 records a `resume` event either way."""
         if not self._cfg.resume or not self.enabled:
             return 0, "none"
+        rejected: set[Path] = set()  # FSx folders that failed verification while loading: never tried again
+        while (resumed := self._load_newest(state, rejected)) is None:
+            pass
+        return resumed
+
+    def _load_newest(self, state: dict[str, Any], rejected: set[Path]) -> tuple[int, str] | None:
+        """One attempt of load_latest; None when the FSx checkpoint chosen did not verify (now in `rejected`)."""
         newest_committed = self._newest_committed_step()
         path = disk_step = None
         if self._memory is not None:
             # Memory wins unless FSx holds something newer that verifies (FSx is hashed only then).
             found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1)
             if found is None and newest_committed is not None:
-                path, disk_step = self._find_latest()
+                path, disk_step = self._find_latest(rejected)
                 found = self._memory.restore_newest(state, newer_than=disk_step - 1 if path is not None else -1)
             if found is not None:
                 self._last_saved_step = disk_step if path is not None else newest_committed
                 return self._resumed(*found, None)
         if path is None:
-            path, disk_step = self._find_latest()
+            path, disk_step = self._find_latest(rejected)
         source = "disk"
         if self._s3 is not None:
             fetched = self._fetch_from_s3(newer_than=disk_step)
@@ -391,7 +396,16 @@ class CheckpointManager:
                 (path, disk_step), source = fetched, "s3"
         if path is None:
             return self._resumed(0, "none", None)
-        self._load(state, path, optional=("rng",))
+        try:
+            stats = load_checkpoint(state, path, optional=("rng",))  # verifies: each file by one rank, as it reads
+        except CheckpointError as err:  # raised on every rank alike: DCP gathers every rank's read errors
+            log.warning("skipping checkpoint %s (step %s): %s", path, disk_step, err)
+            if self._rank == 0:
+                self._events.write("checkpoint_rejected", step=disk_step, path=str(path), error=str(err))
+            rejected.add(path)
+            return None
+        log.info("resumed from %s (%.1f MB read, %d files verified here)", path, stats["bytes_read"] / 1e6,
+                 stats["files_verified"])
         self._last_saved_step = disk_step
         return self._resumed(disk_step, source, path)
 
@@ -419,12 +433,10 @@ class CheckpointManager:
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
-    def _find_latest(self) -> tuple[Path | None, int | None]:
-        """Collective: the newest valid checkpoint and its step, (None, None) when there is none.
-
-        Rank 0 verifies (hashing every file once, not once per rank) and tells the others which one it is.
-        """
-        found = latest_valid_checkpoint(self._directory) if self._rank == 0 else None
+    def _find_latest(self, rejected: set[Path]) -> tuple[Path | None, int | None]:
+        """Collective: the newest checkpoint not in `rejected` whose files have their manifest's sizes, and its step
+        ((None, None): none). Rank 0 looks and tells the others; the load itself checks the content hashes."""
+        found = latest_valid_checkpoint(self._directory, hash_files=False, exclude=rejected) if self._rank == 0 else None
         choice = [str(found.path) if found else None, int(found.manifest["step"]) if found else None]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:
@@ -433,18 +445,3 @@ class CheckpointManager:
             raise RuntimeError(f"rank {self._rank} does not see the checkpoint rank 0 chose ({choice[0]}): "
                                "is the checkpoint directory on a shared file system?")
         return Path(choice[0]), choice[1]
-
-    def _load(self, state: dict[str, Any], path: Path, optional: tuple[str, ...] = ()) -> None:
-        """Load the checkpoint at path into state in place.
-
-        Top-level entries named in `optional` (per-rank RNG, say) are loaded only where the checkpoint
-        has them, so a checkpoint from another world size still resumes.
-        """
-        stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        for name in optional:
-            for key in list(state.get(name, {})):
-                if not any(k.startswith(f"{name}.{key}") for k in stored):
-                    log.warning("checkpoint %s has no %s.%s; keeping the current value", path, name, key)
-                    del state[name][key]
-        dcp.load(state, storage_reader=CountingReader(str(path)))
-        log.info("resumed from %s", path)
