@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 RECOVERY_TABLE = "recovery_events.json"
 # Recovery fields logged as metrics at the recovery's first step.
 RECOVERY_METRICS = ("recovery_seconds", "lost_steps", "reload_seconds", "reinit_seconds",
-                    "detect_and_teardown_seconds", "first_step_seconds")
+                    "detect_and_teardown_seconds", "first_step_seconds", "fsx_bytes_read", "restore_seconds",
+                    "restore_overlapped_seconds", "restore_gb_per_second")
 
 
 class RunFolderForwarder:

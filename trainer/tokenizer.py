@@ -11,9 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 BYTE = "byte"
 _BOS, _EOS = "<|bos|>", "<|eos|>"
@@ -48,6 +47,23 @@ class LoadedTokenizer:
         encoded = self.tokenizer.encode_batch(documents, add_special_tokens=False)
         return [([bos] if bos is not None else []) + e.ids + ([eos] if eos is not None else []) for e in encoded]
 
+    def encode_to_array(self, documents: list[str], dtype: np.dtype, encoded: list[bytes] | None = None) -> np.ndarray:
+        """The documents' framed token ids, concatenated (the shard format). The byte tokenizer's ids are the
+        UTF-8 bytes: numpy does in one pass what the BPE machinery does per character, with the same result
+        (documents that spell a special token go through the tokenizer, which turns them into that token).
+        `encoded`: the documents' UTF-8 bytes, when the caller has them already."""
+        if self.name == BYTE and not any(self.bos_token in d or self.eos_token in d for d in documents):
+            encoded = encoded if encoded is not None else [document.encode("utf-8") for document in documents]
+            lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+            ids = np.empty(int(lengths.sum()) + 2 * len(encoded), dtype=dtype)
+            starts = np.cumsum(lengths + 2) - lengths - 2  # each document's BOS
+            framing = np.zeros(len(ids), dtype=bool)
+            framing[starts] = framing[starts + lengths + 1] = True
+            ids[starts], ids[starts + lengths + 1] = self.bos_id, self.eos_id
+            ids[~framing] = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+            return ids
+        return np.concatenate([np.asarray(ids, dtype=dtype) for ids in self.encode_documents(documents)])
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -67,8 +83,23 @@ class LoadedTokenizer:
             tokenizer.post_processor = processors.TemplateProcessing(
                 single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A {self.bos_token} $B", special_tokens=[bos])
         # No clean-up of spaces before punctuation: decode must give back the bytes the model produced.
+        # transformers only here: importing it costs ~2 s, and tokenizing (the stage step, its workers) never saves
+        from transformers import PreTrainedTokenizerFast
+
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=self.bos_token, eos_token=self.eos_token,
                                 clean_up_tokenization_spaces=False).save_pretrained(str(out_dir))
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, as ``transformers.convert_slow_tokenizer.bytes_to_unicode``
+    builds it (tests/unit/test_data.py compares the two): what the ByteLevel pre-tokenizer maps bytes to."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {byte: chr(byte) for byte in printable}, 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return dict(sorted(table.items()))
 
 
 def _byte_tokenizer() -> LoadedTokenizer:

@@ -32,6 +32,7 @@ from trainer.checkpoint.format import committed_checkpoints, step_dir_name
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.checkpoint.memory import MemoryTier
 from trainer.checkpoint.node_store import NODE_STORE_ENV, holds_a_copy
+from trainer.checkpoint.prefetch import started_from_environment
 from trainer.checkpoint.s3_tier import S3Tier
 from trainer.config import Config
 from trainer.data import TokenBatches, load_meta
@@ -70,6 +71,8 @@ class Trainer:
         self.step = 0  # optimizer steps completed
         self.last_loss = float("nan")
         timer = _PhaseTimer()  # where a (re)start's time goes: recorded with the launch
+        # First: a start that will resume from FSx reads its share of the checkpoint while the rest starts.
+        self._prefetch = started_from_environment(cfg.checkpoint_dir, cfg.checkpoint)
         self.init_distributed()
         self.agree_on_restart_count()
         self._own_lease: RunLease | None = None
@@ -129,6 +132,7 @@ class Trainer:
             memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
             save_point=self.resilience.injector.at_save_point, fence=self.fence,
         )
+        self.checkpointer.prefetch = self._prefetch
         nodes = memory.nodes if memory is not None else max(
             1, self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         self.interval_planner = AutoInterval(cfg, self.checkpointer, self.events, rank=self.rank, nodes=nodes)
@@ -250,8 +254,23 @@ class Trainer:
         load_started, started, read_before = time.time(), time.perf_counter(), checkpoint_reads.bytes_read()
         state = self.state_dict()
         step, source = self.checkpointer.load_latest(state)
-        fsx_bytes_read = torch.tensor([checkpoint_reads.bytes_read() - read_before], dtype=torch.int64, device=self.device)
-        dist.all_reduce(fsx_bytes_read)  # every rank's share: what the file system served this resume
+        load_seconds = time.perf_counter() - started
+        prefetched = (self._prefetch.figures() if self._prefetch is not None
+                      else {"prefetch_seconds": 0.0, "prefetch_bytes": 0})
+        # Every rank's bytes (what the file system served this resume), the slowest rank's seconds.
+        totals = torch.tensor([checkpoint_reads.bytes_read() - read_before + prefetched["prefetch_bytes"]],
+                              dtype=torch.int64, device=self.device)
+        dist.all_reduce(totals)
+        slowest = torch.tensor([load_seconds, prefetched["prefetch_seconds"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        restore = {"fsx_bytes_read": int(totals.item()), "restore_seconds": float(slowest[0]),
+                   "restore_overlapped_seconds": float(slowest[1])}
+        if restore["fsx_bytes_read"]:
+            # The files were read in the prefetch (hidden behind start-up) and the load: the read's own rate.
+            restore["restore_gb_per_second"] = restore["fsx_bytes_read"] / 1e9 / max(1e-9, float(slowest.sum()))
+            log.info("restore: %.2f GB from FSx, %.1f s of start-up waited for it (%.1f s overlapped), %.2f GB/s",
+                     restore["fsx_bytes_read"] / 1e9, restore["restore_seconds"],
+                     restore["restore_overlapped_seconds"], restore["restore_gb_per_second"])
         self.restart_budget.check(step if source != "none" else 0)  # did the recoveries before this one progress?
         if source != "none":
             self.load_state_dict(state)
@@ -263,8 +282,7 @@ class Trainer:
             self.optimizer.state.clear()
             initialize_state(self.optimizer)
         self._weights_pending = False
-        self.resilience.note_resume(step if source != "none" else None, load_started, time.perf_counter() - started,
-                                    source, fsx_bytes_read=int(fsx_bytes_read.item()))
+        self.resilience.note_resume(step if source != "none" else None, load_started, load_seconds, source, **restore)
 
     # -- loop --------------------------------------------------------------------------------------
 

@@ -161,6 +161,11 @@ def test_a_kill_at_each_sub_step_of_a_save_resumes_from_the_newest_committed_che
     assert fault["save_point"] == DRILLS[key]
     [recovery] = [r for r in read_events(cfg.run_dir, "recovery") if r["fault_key"] == key]
     assert recovery["mechanism"] == "ft_launcher" and recovery["reload_source"] == "disk"
+    # The restore read the checkpoint once (the prefetch behind start-up, then the load from memory), and says so.
+    # (Every checkpoint of this run has the same size; the reloaded one's commit may not have been recorded.)
+    sizes = [e["bytes"] for e in read_events(cfg.run_dir, "checkpoint_committed")]
+    assert 0.9 * min(sizes) <= recovery["fsx_bytes_read"] <= 1.5 * max(sizes)
+    assert recovery["restore_overlapped_seconds"] > 0 and recovery["restore_gb_per_second"] > 0
     if DRILLS[key] in COMMITTED_BEFORE_THE_KILL:
         assert recovery["reloaded_step"] == fault["step"]
     else:  # the killed save never counts: the newest checkpoint committed before it does

@@ -83,3 +83,81 @@ def test_batches_depend_only_on_seed_step_micro_and_rank(tmp_path):
 def test_missing_shards_say_to_stage_first(tmp_path):
     with pytest.raises(DataError, match="stage the dataset first"):
         TokenBatches.open(tmp_path, "train", 16, 4, 0)
+
+
+def _previous_shards(files, val_fraction, tokenizer="byte"):
+    """The shard bytes as trainer/data.py wrote them before streaming (commit 697ccd4): every document read
+    at once, split by content, encoded by the HF tokenizer; kept here as the reference the format must match."""
+    documents = []
+    for path in sorted(files):
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                documents += [json.loads(line)["text"] for line in handle if line.strip()]
+        elif path.suffix == ".txt":
+            documents += [b.strip() for b in path.read_text(encoding="utf-8").split("\n\n") if b.strip()]
+    loaded = load_tokenizer(tokenizer)
+    out = {}
+    for split, held in (("train", False), ("val", True)):
+        docs = [d for d in documents if is_held_out(d, val_fraction) == held]
+        out[split] = b"".join(np.asarray(ids, dtype=np.uint16).tobytes() for ids in loaded.encode_documents(docs))
+    return out
+
+
+def _awkward_corpus(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = [f"story {i}: héllo wörld ✓ {'x' * (i % 37)}" for i in range(400)]
+    texts[7] = "spells the tokens <|bos|> and <|eos|> inside"
+    texts[8] = "  leading and trailing spaces  "
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" + ("\n" if i % 50 == 0 else "")
+                                            for i, t in enumerate(texts)))
+    blocks = [f"plain 文書 {i}\nsecond line" for i in range(300)]
+    (folder / "b.txt").write_bytes("\r\n\r\n\n".join(blocks[:150]).encode() + b"\n\n\n\n"
+                                   + "\n\n".join(blocks[150:]).encode())
+    return sorted(folder.iterdir())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_streamed_shards_are_byte_identical_to_the_previous_format(tmp_path, monkeypatch, workers):
+    """Small chunks (cut inside runs of blank lines, CRLF files) and 1 or 2 worker processes: same bytes."""
+    import trainer.data  # the chunk size is a module constant
+
+    files = _awkward_corpus(tmp_path / "raw")
+    monkeypatch.setattr(trainer.data, "CHUNK_CHARS", 97)
+    meta = tokenize_files(files, tmp_path / "tokens", 0.2, workers=workers)
+    expected = _previous_shards(files, 0.2)
+    for split in ("train", "val"):
+        assert (tmp_path / "tokens" / f"{split}.bin").read_bytes() == expected[split], split
+        assert meta["splits"][split]["tokens"] * 2 == len(expected[split])
+    assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 700
+
+
+def test_byte_fast_path_matches_the_hf_tokenizer():
+    tokenizer = load_tokenizer("byte")
+    documents = ["", "a", "héllo ✓", "x<|eos|>y", "\x00\n\t", "😀" * 3]
+    expected = np.concatenate([np.asarray(ids, dtype=np.uint16) for ids in tokenizer.encode_documents(documents)])
+    np.testing.assert_array_equal(tokenizer.encode_to_array(documents, np.dtype(np.uint16)), expected)
+    # Without a special token's spelling in the batch, the numpy path runs (the first batch took the HF one).
+    plain = documents[:3] + documents[4:]
+    expected = np.concatenate([np.asarray(ids, dtype=np.uint16) for ids in tokenizer.encode_documents(plain)])
+    np.testing.assert_array_equal(tokenizer.encode_to_array(plain, np.dtype(np.uint16)), expected)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_tokenization_names_the_line_and_leaves_no_shards(tmp_path, monkeypatch, workers):
+    import trainer.data  # the chunk size is a module constant
+
+    monkeypatch.setattr(trainer.data, "CHUNK_CHARS", 40)  # the bad line sits in a later chunk than the first
+    path = tmp_path / "raw" / "bad.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"text": "ok"}\n' * 10 + "not json\n" + '{"text": "ok"}\n' * 10)
+    with pytest.raises(DataError, match=r"bad.jsonl:11:"):
+        tokenize_files([path], tmp_path / "out", 0.1, workers=workers)
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_byte_table_is_transformers_own():
+    from transformers.convert_slow_tokenizer import bytes_to_unicode as theirs
+
+    from trainer.tokenizer import bytes_to_unicode
+
+    assert bytes_to_unicode() == theirs()

@@ -186,3 +186,39 @@ def test_each_file_has_one_verifier():
     assert [verifier_of(name, i, 8) for i, name in enumerate(names)] == list(range(8))
     assert [verifier_of(name, i, 2) for i, name in enumerate(names)] == [0, 1] * 4
     assert verifier_of("extra.bin", 5, 4) == 1
+
+
+def test_prefetch_verifies_this_ranks_files_of_the_newest_checkpoint_and_the_load_skips_them(tmp_path):
+    from trainer.checkpoint.prefetch import RestorePrefetch
+
+    older = _committed(tmp_path)
+    newest = tmp_path / "step-000020"
+    dcp.save(_state(), checkpoint_id=str(newest), no_dist=True)
+    write_manifest(newest, 20, {"world_size": 1})
+    prefetch = RestorePrefetch.start(tmp_path, rank=0, world_size=1, node_memory_holds_a_copy=False)
+    assert prefetch.folder == newest and prefetch.verified_files(newest) == {"__0_0.distcp"}
+    assert prefetch.verified_files(older) == set()
+    assert prefetch.figures()["prefetch_bytes"] == (newest / "__0_0.distcp").stat().st_size
+    reader = FastReader(newest, prehashed=prefetch.verified_files(newest))
+    target = _zeros_like(_state())
+    target["meta"] = {"step": 0, "name": ""}
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    _assert_same(target, _state())
+    assert reader.stats["files_verified"] == 0  # hashed once, by the prefetch
+    # Rank 1 of 2 verifies nothing of a one-file checkpoint; a node holding a memory copy prefetches nothing.
+    assert RestorePrefetch.start(tmp_path, rank=1, world_size=2, node_memory_holds_a_copy=False) is None
+    assert RestorePrefetch.start(tmp_path, rank=0, world_size=1, node_memory_holds_a_copy=True) is None
+
+
+def test_a_file_the_prefetch_found_corrupt_is_hashed_again_by_the_load_and_fails(tmp_path):
+    from trainer.checkpoint.prefetch import RestorePrefetch
+
+    folder = _committed(tmp_path)
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    prefetch = RestorePrefetch.start(tmp_path, rank=0, world_size=1, node_memory_holds_a_copy=False)
+    assert prefetch.verified_files(folder) == set()
+    with pytest.raises(CheckpointError, match="__0_0.distcp: content hash"):
+        load_checkpoint(_zeros_like(_state()), folder, no_dist=True, prehashed=prefetch.verified_files(folder))

@@ -299,8 +299,9 @@ class FastReader(FileSystemReader):
     verified and items that went through DCP's path."""
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, window_bytes: int = WINDOW_BYTES,
-                 prefetch_windows: int = PREFETCH_WINDOWS):
+                 prefetch_windows: int = PREFETCH_WINDOWS, prehashed: set[str] = frozenset()):
         super().__init__(path)
+        self._prehashed = set(prehashed)  # verified by this process already (prefetch.RestorePrefetch)
         self._folder = Path(path)
         self._window_bytes, self._prefetch_windows = window_bytes, prefetch_windows
         manifest_path = self._folder / MANIFEST
@@ -347,7 +348,8 @@ class FastReader(FileSystemReader):
         mine = set()
         if self._manifest is not None:
             data_files = [name for name in self._manifest["files"] if name not in (".metadata", MANIFEST)]
-            mine = {name for index, name in enumerate(data_files) if verifier_of(name, index, world) == rank}
+            mine = {name for index, name in enumerate(data_files)
+                    if verifier_of(name, index, world) == rank and name not in self._prehashed}
             for name in mine:
                 per_file.setdefault(name, [])
         # One hashing thread: xxh3 releases the GIL, so hashing a window overlaps copying the one before, and
@@ -366,6 +368,7 @@ class FastReader(FileSystemReader):
         hashed: list[ThreadFuture] = []
         deferred: list[tuple[ReadItem, bytes]] = []  # pickled items: unpickled only once the file verified
         digest = hasher(self._manifest["hash_algorithm"]) if verify else None
+        failed: Exception | None = None  # an item that did not decode: corruption, if the hash says so
         try:
             needed = max((offset + length for offset, length, _ in items), default=0)
             if needed > mapping.size:
@@ -378,15 +381,22 @@ class FastReader(FileSystemReader):
                 chunk = mapping.view[window.start:window.end]
                 if digest is not None:
                     hashed.append(hashing.submit(digest.update, chunk))
-                for offset, length, item in window.items:
+                for offset, length, item in window.items if failed is None else ():
                     blob = mapping.view[offset:offset + length]
-                    if item.type == LoadItemType.BYTE_IO:
-                        deferred.append((item, bytes(blob)))
-                    else:
-                        self._load_tensor(item, blob, planner)
-                    blob.release()
-                reads.count(window.end - window.start)
-                self.stats["bytes_read"] += window.end - window.start
+                    try:
+                        if item.type == LoadItemType.BYTE_IO:
+                            deferred.append((item, bytes(blob)))
+                        else:
+                            self._load_tensor(item, blob, planner)
+                    except Exception as err:  # finish hashing first: a corrupt file is named as such
+                        if digest is None:
+                            raise
+                        failed = err
+                    finally:
+                        blob.release()
+                if relative_path not in self._prehashed:  # else the prefetch read (and counted) it already
+                    reads.count(window.end - window.start)
+                    self.stats["bytes_read"] += window.end - window.start
         finally:
             for future in hashed:  # the hashing thread holds views of the mapping until it is done
                 future.result()
@@ -394,7 +404,9 @@ class FastReader(FileSystemReader):
         if digest is not None:
             if digest.hexdigest() != self._expected_hash(relative_path):
                 raise CheckpointError(f"{path}: content hash ({self._manifest['hash_algorithm']}) differs from the "
-                                      "manifest (corrupted); an older checkpoint is needed")
+                                      "manifest (corrupted); an older checkpoint is needed") from failed
+            if failed is not None:
+                raise failed
             self.stats["files_verified"] += 1
         for item, data in deferred:
             self._load_bytes(item, data, planner)

@@ -83,8 +83,8 @@ class CheckpointManager:
         self._events = events
         self._memory = memory if cfg.enabled else None
         self._s3 = s3 if cfg.enabled else None
-        self._save_point = save_point
-        self._fence = fence
+        self._save_point, self._fence = save_point, fence
+        self.prefetch = None  # a RestorePrefetch of this start (trainer/checkpoint/prefetch.py), if any
         self._backend = make_backend(cfg, device) if cfg.enabled else None
         self._last_saved_step: int | None = None
         self._interval_steps: int | None = None  # the planner's choice when checkpoint.interval_steps is auto
@@ -397,7 +397,8 @@ class CheckpointManager:
         if path is None:
             return self._resumed(0, "none", None)
         try:
-            stats = load_checkpoint(state, path, optional=("rng",))  # verifies: each file by one rank, as it reads
+            prehashed = self.prefetch.verified_files(path) if self.prefetch is not None else set()
+            stats = load_checkpoint(state, path, optional=("rng",), prehashed=prehashed)  # verifies as it reads
         except CheckpointError as err:  # raised on every rank alike: DCP gathers every rank's read errors
             log.warning("skipping checkpoint %s (step %s): %s", path, disk_step, err)
             if self._rank == 0:

@@ -99,9 +99,10 @@ class ResilienceHooks:
             self.events.write("efa_memlock", **memlock)
 
     def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float,
-                    source: str = "disk", fsx_bytes_read: int = 0) -> None:
+                    source: str = "disk", fsx_bytes_read: int = 0, **restore: float) -> None:
+        """`restore`: the FSx restore's restore_seconds, restore_overlapped_seconds, restore_gb_per_second."""
         self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
-                        "load_seconds": load_seconds, "source": source, "fsx_bytes_read": fsx_bytes_read}
+                        "load_seconds": load_seconds, "source": source, "fsx_bytes_read": fsx_bytes_read, **restore}
         self.injector.before_step((reloaded_step or 0) + 1)
 
     @property
@@ -161,6 +162,9 @@ class ResilienceHooks:
             "reloaded_step": resume["reloaded_step"],
             "reload_source": resume["source"],
             "fsx_bytes_read": resume.get("fsx_bytes_read", 0),  # every rank's, from checkpoint folders
+            # Of a restore from FSx: the start-up's wait for it, its read hidden behind start-up, its rate.
+            **{key: resume.get(key) for key in ("restore_seconds", "restore_overlapped_seconds",
+                                                "restore_gb_per_second")},
             "lost_steps": self._lost_steps(resume["reloaded_step"]),
             "detect_and_teardown_seconds": (self.process_started_at - fault_time) if fault_time else None,
             "reinit_seconds": resume["load_started"] - self.process_started_at,
