@@ -46,6 +46,7 @@ bench: install  ## every benchmark (~75 min on 2 cores), then the report bench/R
 	$(PY) bench/recovery.py
 	$(PY) bench/goodput.py
 	$(PY) bench/staging.py
+	$(PY) bench/data.py
 	$(PY) bench/report.py
 
 bench-report: install  ## bench/README.md from the results already in bench/results

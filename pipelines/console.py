@@ -180,6 +180,7 @@ class PipelineConsole:
         self._out = out if out is not None else sys.stdout
         self._num_steps = num_steps
         self._started: dict[str, float] = {}
+        self.step_seconds: dict[str, float] = {}  # each finished task's wall time, as the console prints it
         self._progress: TrainingProgress | None = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -233,6 +234,7 @@ class PipelineConsole:
             if task == _TRAIN_TASK:
                 self._stop_progress()
             seconds = time.monotonic() - self._started.get(task, time.monotonic())
+            self.step_seconds[_title(task)] = round(seconds, 3)
             outcome = "done" if status == "SUCCESS" else "FAILED"
             self._say(f"  {_title(task):<14} {outcome:<7}{seconds:6.1f} s"
                       + ("" if status == "SUCCESS" else f"  (see {self.log_path})"))

@@ -63,6 +63,10 @@ def run_locally(cfg: Config, *, verbose: bool = False) -> dict:
     if summary is None:  # the exit handler itself failed
         raise RuntimeError(f"the pipeline wrote no {run_dir.summary}; see {console.log_path}")
     summary["pipeline_wall_seconds"] = time.perf_counter() - started
+    summary["step_seconds"] = console.step_seconds
+    job = (summary.get("steps", {}).get("train") or {}).get("job_wall_seconds")
+    if job is not None:  # what the pipeline cost beyond the training job itself (bench/pipeline_steps.py splits it)
+        summary["outside_job_seconds"] = summary["pipeline_wall_seconds"] - job
     write_json(run_dir.summary, summary)
     return summary
 

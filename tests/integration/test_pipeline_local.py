@@ -66,6 +66,10 @@ def test_run_prints_summary_path_last_and_summary_has_the_outcome(successful_run
     assert summary["checkpoint"].endswith("checkpoints/step-000006")
     assert summary["mlflow_tracking_uri"].startswith("http://127.0.0.1:")
     assert summary["mlflow_pending_records"] == 0
+    # Each step's wall time as the console printed it, and what the pipeline cost beyond the training job.
+    assert set(summary["step_seconds"]) == {"prepare", "fingerprint", "stage", "record stage", "train", "validate",
+                                            "evaluate", "finalize"}
+    assert 0 < summary["outside_job_seconds"] < summary["pipeline_wall_seconds"]
     [recovery] = summary["recovery_events"]
     assert recovery["fault_type"] == "sigkill" and recovery["mechanism"] == "ft_launcher"
     assert recovery["fault_step"] == 4 and recovery["lost_steps"] == 4 - recovery["reloaded_step"]
