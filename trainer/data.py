@@ -1,7 +1,8 @@
 """Token data: tokenization into shards on disk, and deterministic per-rank batches.
 
 Shards are flat arrays of token ids (``train.bin`` / ``val.bin``, uint16, or uint32 for vocabularies
-above 65,536) described by ``tokens.json``.
+above 65,536) described by ``tokens.json``; a split may also be several shards (``"files"``), read as their
+concatenation.
 A batch is a function of (seed, step, micro-step, rank) only, so resuming at step k needs no saved
 iterator state and replays exactly the batches an uninterrupted run would have seen.
 """
@@ -232,8 +233,8 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
     meta_path = out_dir / META_FILE
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("content_hash") == content_hash and all((out_dir / s["file"]).is_file()
-                                                            for s in meta["splits"].values()):
+        if meta.get("content_hash") == content_hash and all((out_dir / name).is_file()
+                                                            for s in meta["splits"].values() for name in shard_files(s)):
             log.info("token shards in %s are up to date (content hash %s)", out_dir, content_hash[:12])
             return meta
 
@@ -282,6 +283,35 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
     return meta
 
 
+def shard_files(split: dict) -> list[str]:
+    """A split's token files in order (tokens.json: "file", or "files" for a split written as several shards,
+    whose concatenation is the split)."""
+    return list(split["files"]) if "files" in split else [split["file"]]
+
+
+class _Concatenated:
+    """Several token shards read as one array (slices only): the same windows as their concatenation in a file."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self._parts = parts
+        self._starts = np.cumsum([0] + [len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        start, stop, _ = window.indices(len(self))
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pieces = []
+        while start < stop:
+            offset = start - int(self._starts[first])
+            take = min(stop - start, len(self._parts[first]) - offset)
+            pieces.append(self._parts[first][offset:offset + take])
+            start += take
+            first += 1
+        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+
+
 def load_meta(data_dir: Path) -> dict:
     meta_path = Path(data_dir) / META_FILE
     if not meta_path.is_file():
@@ -303,8 +333,14 @@ class TokenBatches:
         meta = load_meta(data_dir)
         if split not in meta["splits"]:
             raise DataError(f"{data_dir}: no {split!r} split in {META_FILE}")
-        path = Path(data_dir) / meta["splits"][split]["file"]
-        tokens = np.memmap(path, dtype=np.dtype(meta["dtype"]), mode="r")
+        paths = [Path(data_dir) / name for name in shard_files(meta["splits"][split])]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise DataError(f"{Path(data_dir) / META_FILE} lists {', '.join(missing)}, which does not exist: "
+                            "stage the dataset again")
+        parts = [np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r") for p in paths if p.stat().st_size]
+        tokens = parts[0] if len(parts) == 1 else _Concatenated(parts)  # (none: fewer tokens than a window)
+        path = paths[0] if len(paths) == 1 else f"{paths[0].parent}/{'+'.join(p.name for p in paths)}"
         if len(tokens) < seq_len + 2:
             raise DataError(f"{path} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
         return cls(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed)

@@ -161,3 +161,39 @@ def test_byte_table_is_transformers_own():
     from trainer.tokenizer import bytes_to_unicode
 
     assert bytes_to_unicode() == theirs()
+
+
+def test_a_split_in_several_shards_reads_as_their_concatenation(tmp_path):
+    """tokens.json may list a split as several files (one per tokenizing task): the batches are those of the
+    single file they concatenate to, windows across shard boundaries included."""
+    import shutil
+
+    one, many = tmp_path / "one", tmp_path / "many"
+    tokenize_files(_write_corpus(tmp_path / "raw"), one, 0.1)
+    meta = json.loads((one / "tokens.json").read_text())
+    train = np.fromfile(one / "train.bin", dtype=np.uint16)
+    many.mkdir()
+    cuts = [0, 7, 7, 1000, 1003, len(train)]  # an empty shard and a 3-token one among them
+    names = []
+    for index, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+        names.append(f"train-{index:05d}.bin")
+        (many / names[-1]).write_bytes(train[start:stop].tobytes())
+    shutil.copy(one / "val.bin", many / "val.bin")
+    meta["splits"]["train"] = {**meta["splits"]["train"], "files": names}
+    del meta["splits"]["train"]["file"]
+    (many / "tokens.json").write_text(json.dumps(meta))
+
+    single = TokenBatches.open(one, "train", seq_len=16, batch_size=4, seed=7)
+    sharded = TokenBatches.open(many, "train", seq_len=16, batch_size=4, seed=7)
+    assert len(sharded.tokens) == len(train)
+    for start in (0, 990, 995, 1000, 1001, 1002, len(train) - 17):  # across each boundary
+        np.testing.assert_array_equal(sharded.tokens[start:start + 17], train[start:start + 17])
+    for step in range(20):
+        for a, b in zip(single.batch(step, 0, 1), sharded.batch(step, 0, 1)):
+            np.testing.assert_array_equal(a, b)
+    for (a, _), (b, _) in zip(single.sequential(8), sharded.sequential(8)):
+        np.testing.assert_array_equal(a, b)
+
+    (many / names[3]).unlink()
+    with pytest.raises(DataError, match="train-00003.bin, which does not exist"):
+        TokenBatches.open(many, "train", seq_len=16, batch_size=4, seed=7)
