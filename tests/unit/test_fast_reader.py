@@ -222,3 +222,12 @@ def test_a_file_the_prefetch_found_corrupt_is_hashed_again_by_the_load_and_fails
     assert prefetch.verified_files(folder) == set()
     with pytest.raises(CheckpointError, match="__0_0.distcp: content hash"):
         load_checkpoint(_zeros_like(_state()), folder, no_dist=True, prehashed=prefetch.verified_files(folder))
+
+
+def test_an_unverified_load_still_refuses_a_metadata_file_that_does_not_match(tmp_path):
+    """verify=False skips hashing the data files (already verified in this process), never the pickle check."""
+    folder = _committed(tmp_path)
+    metadata = folder / ".metadata"
+    metadata.write_bytes(b"\x80\x04garbage" + metadata.read_bytes()[12:])
+    with pytest.raises(CheckpointError, match=r"\.metadata: content hash"):
+        FastReader(folder, verify=False).read_metadata()

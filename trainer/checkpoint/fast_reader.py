@@ -293,8 +293,8 @@ class _Mapping:
 class FastReader(FileSystemReader):
     """Drop-in for ``FileSystemReader`` (``dcp.load(state, storage_reader=FastReader(path))``).
 
-    With `verify` (the default) and a manifest in the folder, .metadata is checked before it is unpickled and
-    each data file by its verifier rank while it is read. `window_bytes` × `prefetch_windows` bounds the
+    With a manifest in the folder .metadata is checked before it is unpickled (always), and with `verify` (the
+    default) each data file by its verifier rank while it is read. `window_bytes` × `prefetch_windows` bounds the
     readahead in flight; nothing is buffered beyond the page cache. After a load, `stats` holds bytes read, files
     verified and items that went through DCP's path."""
 
@@ -305,7 +305,9 @@ class FastReader(FileSystemReader):
         self._folder = Path(path)
         self._window_bytes, self._prefetch_windows = window_bytes, prefetch_windows
         manifest_path = self._folder / MANIFEST
-        self._manifest = json.loads(manifest_path.read_text()) if verify and manifest_path.is_file() else None
+        # The manifest is read even without `verify`: .metadata is a pickle, unpickled only once its hash matched.
+        self._manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+        self._verify = verify
         self.stats = {"bytes_read": 0, "files_verified": 0, "items": 0, "items_fallback": 0}
 
     def _expected_hash(self, relative_path: str) -> str | None:
@@ -346,7 +348,7 @@ class FastReader(FileSystemReader):
             per_file.setdefault(info.relative_path, []).append((info.offset, info.length, item))
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         mine = set()
-        if self._manifest is not None:
+        if self._manifest is not None and self._verify:
             data_files = [name for name in self._manifest["files"] if name not in (".metadata", MANIFEST)]
             mine = {name for index, name in enumerate(data_files)
                     if verifier_of(name, index, world) == rank and name not in self._prehashed}
