@@ -13,12 +13,12 @@ from kfp import dsl
 from components.evaluate.component import evaluate_model
 from components.finalize.component import finalize_run
 from components.prepare.component import prepare_run
-from components.stage.component import fingerprint_data, record_stage, stage_data
+from components.stage.component import collect_shards, fingerprint_data, record_stage, stage_data, tokenize_shard
 from components.train.component import train_model
 from components.validate.component import validate_checkpoint
 
-WRAPPERS = (prepare_run, fingerprint_data, stage_data, record_stage, train_model, validate_checkpoint, evaluate_model,
-            finalize_run)
+WRAPPERS = (prepare_run, fingerprint_data, stage_data, tokenize_shard, collect_shards, record_stage, train_model,
+            validate_checkpoint, evaluate_model, finalize_run)
 
 
 def make_components(image: str) -> SimpleNamespace:

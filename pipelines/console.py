@@ -179,8 +179,10 @@ class PipelineConsole:
         self.verbose = verbose
         self._out = out if out is not None else sys.stdout
         self._num_steps = num_steps
-        self._started: dict[str, float] = {}
-        self.step_seconds: dict[str, float] = {}  # each finished task's wall time, as the console prints it
+        self._started: dict[str, list[float]] = {}  # a ParallelFor runs one task name several times at once
+        self._first_started: dict[str, float] = {}
+        # each task's wall time, as the console prints it (a ParallelFor's: its first start to its last finish)
+        self.step_seconds: dict[str, float] = {}
         self._progress: TrainingProgress | None = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
@@ -221,7 +223,9 @@ class PipelineConsole:
     def _on_line(self, line: str) -> None:
         if match := _STARTED.search(line):
             task = match.group(1)
-            self._started[task] = time.monotonic()
+            if not self._started.get(task):
+                self._first_started[task] = time.monotonic()
+            self._started.setdefault(task, []).append(time.monotonic())
             if task == _TRAIN_TASK:
                 self._start_progress()
             elif self._out.isatty() and not self.verbose:  # the finish line overwrites it
@@ -233,8 +237,11 @@ class PipelineConsole:
             task, status = match.groups()
             if task == _TRAIN_TASK:
                 self._stop_progress()
-            seconds = time.monotonic() - self._started.get(task, time.monotonic())
-            self.step_seconds[_title(task)] = round(seconds, 3)
+            now = time.monotonic()
+            running = self._started.get(task) or [now]
+            seconds = now - running.pop(0)
+            if not running:
+                self.step_seconds[_title(task)] = round(now - self._first_started.pop(task, now - seconds), 3)
             outcome = "done" if status == "SUCCESS" else "FAILED"
             self._say(f"  {_title(task):<14} {outcome:<7}{seconds:6.1f} s"
                       + ("" if status == "SUCCESS" else f"  (see {self.log_path})"))

@@ -1,5 +1,5 @@
-"""The resilient-train pipeline: prepare → fingerprint → stage (cached) → record → train → validate →
-evaluate, inside an exit handler that always finalizes the run.
+"""The resilient-train pipeline: prepare → fingerprint → stage → tokenize × N → collect (all three cached) →
+record → train → validate → evaluate, inside an exit handler that always finalizes the run.
 
 Parameters map onto the config tree: ``config_json`` is a whole config as one line of JSON (by default
 the one the pipeline was built from; one line because KFP copies defaults into the compiled file's header
@@ -7,8 +7,10 @@ comment, where a multi-line value breaks the YAML) and ``overrides`` a list of `
 strings applied on top — the same syntax as the CLI, so a recurring run changes one setting without
 restating the rest.
 
-Caching: only the stage task is cached, keyed by the fingerprint of the S3 prefix's listing (an unchanged
-dataset is not staged twice); every other task runs each time. With ``kubernetes.enabled`` each task also
+Caching: only the stage, tokenize and collect tasks are cached, keyed by the fingerprint of the S3 prefix's
+listing (an unchanged dataset is not staged or tokenized twice); every other task runs each time. The stage
+task plans ``data.tokenize_tasks`` groups of files; a ``dsl.ParallelFor`` tokenizes each into a shard and a
+``dsl.Collected`` task lists them for the trainer. With ``kubernetes.enabled`` each task also
 gets its cluster settings through kfp-kubernetes: the FSx PVC, the MLflow credentials Secret, resources,
 timeouts, and retries with backoff for the stage and the TrainJob launcher.
 """
@@ -24,7 +26,7 @@ MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "M
 _RESOURCES = {"light": ("500m", "1Gi"), "stage": ("4", "16Gi"), "launcher": ("500m", "2Gi"), "model": ("8", "96Gi")}
 # What the KFP UI (and the local console) calls each task; the keys are KFP's task names.
 DISPLAY_NAMES = {"prepare-run": "prepare", "fingerprint-data": "fingerprint", "stage-data": "stage",
-                 "record-stage": "record stage", "train-model": "train", "validate-checkpoint": "validate",
+                 "tokenize-shard": "tokenize", "collect-shards": "collect shards", "record-stage": "record stage", "train-model": "train", "validate-checkpoint": "validate",
                  "evaluate-model": "evaluate", "finalize-run": "finalize"}
 
 
@@ -63,8 +65,16 @@ def build_pipeline(default_config: Config):
             stage = on_cluster(c.stage_data(stage_config=fingerprint.outputs["stage_config"],
                                             data_fingerprint=fingerprint.outputs["fingerprint"]),
                                "stage", 6 * 3600, retries=k8s.step_retries)
-            stage.set_caching_options(True)
-            record = on_cluster(c.record_stage(**common, dataset=stage.outputs["dataset"]), "light", 1800)
+            # One tokenize task per group of whole files (data.tokenize_tasks), cached like the stage task.
+            with dsl.ParallelFor(stage.outputs["Output"], name="tokenize") as group:
+                tokenize = on_cluster(c.tokenize_shard(group=group), "stage", 6 * 3600, retries=k8s.step_retries)
+            collect = on_cluster(c.collect_shards(stage_config=fingerprint.outputs["stage_config"],
+                                                  data_fingerprint=fingerprint.outputs["fingerprint"],
+                                                  shards=dsl.Collected(tokenize.output), staged=stage.outputs["staged"]),
+                                 "light", 1800)
+            for task in (stage, tokenize, collect):
+                task.set_caching_options(True)
+            record = on_cluster(c.record_stage(**common, dataset=collect.outputs["dataset"]), "light", 1800)
             train = on_cluster(c.train_model(**common, data_dir=record.output), "launcher",
                                default_config.training.timeout_seconds + 3600, retries=k8s.step_retries)
             validate = on_cluster(c.validate_checkpoint(**common, checkpoint=train.outputs["Output"]), "model", 4 * 3600)

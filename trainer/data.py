@@ -201,34 +201,50 @@ def _quiet_worker() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def content_hash_of(files: list[Path], val_fraction: float, tokenizer_json: str) -> str:
-    """The shards' cache key: the input files' contents, the split and the tokenizer (streamed: no file is
-    held in memory)."""
-    hasher = hashlib.sha256(f"v{SHARD_FORMAT_VERSION}:{val_fraction}".encode())
-    hasher.update(tokenizer_json.encode())
+def file_digests(files: list[Path]) -> list[list[str]]:
+    """(name, sha256 of the contents) of each file in sorted order (streamed: no file is held in memory)."""
+    out = []
     for path in sorted(files):
-        hasher.update(path.name.encode())
         digest = hashlib.sha256()
         with path.open("rb") as handle:
             while block := handle.read(8 << 20):
                 digest.update(block)
-        hasher.update(digest.digest())
+        out.append([path.name, digest.hexdigest()])
+    return out
+
+
+def combined_content_hash(digests: list[list[str]], val_fraction: float, tokenizer_json: str) -> str:
+    """The shards' cache key from file_digests: the inputs' contents, the split and the tokenizer. Shards of
+    contiguous file groups combine their digests, in order, into the key one task would compute."""
+    hasher = hashlib.sha256(f"v{SHARD_FORMAT_VERSION}:{val_fraction}".encode())
+    hasher.update(tokenizer_json.encode())
+    for name, digest in digests:
+        hasher.update(name.encode())
+        hasher.update(bytes.fromhex(digest))
     return hasher.hexdigest()
 
 
+def content_hash_of(files: list[Path], val_fraction: float, tokenizer_json: str) -> str:
+    """The shards' cache key for these files (see combined_content_hash)."""
+    return combined_content_hash(file_digests(files), val_fraction, tokenizer_json)
+
+
 def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokenizer: str = "byte",
-                   workers: int | None = None) -> dict:
+                   workers: int | None = None, *, require_both_splits: bool = True) -> dict:
     """Tokenize raw text files into train/val shards in out_dir; reuses them when the inputs are unchanged.
 
     The cache key is a hash of the input files' contents, the split and the tokenizer, so editing one
     document re-tokenizes and touching nothing does not. Streaming: memory is bounded by a few chunks per
     worker, not by the corpus. `workers` processes (default: one per core, fewer for a small corpus)
-    tokenize chunks in parallel; the output does not depend on their number.
+    tokenize chunks in parallel; the output does not depend on their number. tokens.json also lists each
+    input's digest ("file_digests"), from which shards of a corpus combine their cache key. A shard of a
+    larger corpus may have an empty split (require_both_splits=False): the corpus as a whole is checked.
     """
     if not files:
         raise DataError(f"no .txt, .jsonl or .parquet files to tokenize for {out_dir}")
     loaded = load_tokenizer(tokenizer)
-    content_hash = content_hash_of(files, val_fraction, loaded.tokenizer.to_str())
+    digests = file_digests(files)
+    content_hash = combined_content_hash(digests, val_fraction, loaded.tokenizer.to_str())
 
     meta_path = out_dir / META_FILE
     if meta_path.is_file():
@@ -236,7 +252,7 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
         if meta.get("content_hash") == content_hash and all((out_dir / name).is_file()
                                                             for s in meta["splits"].values() for name in shard_files(s)):
             log.info("token shards in %s are up to date (content hash %s)", out_dir, content_hash[:12])
-            return meta
+            return {**meta, "file_digests": digests}  # (older tokens.json files lack them)
 
     dtype = np.uint16 if loaded.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     if workers is None:
@@ -244,7 +260,8 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
         workers = max(1, min(os.cpu_count() or 1, corpus_chars // (2 * CHUNK_CHARS)))
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": loaded.name, "vocab_size": loaded.vocab_size,
-            "dtype": np.dtype(dtype).name, "content_hash": content_hash, "val_fraction": val_fraction, "splits": {}}
+            "dtype": np.dtype(dtype).name, "content_hash": content_hash, "val_fraction": val_fraction, "splits": {},
+            "file_digests": digests}
     counts = {split: {"tokens": 0, "documents": 0} for split in ("train", "val")}
     temporary = {split: out_dir / f"{split}.bin.tmp" for split in counts}
     parts = out_dir / ".parts"  # the workers' outputs, each appended in order, then deleted
@@ -265,7 +282,7 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
                     counts[split]["documents"] += documents
                     bar.update(tokens * np.dtype(dtype).itemsize)
         for split, count in counts.items():
-            if not count["documents"]:
+            if require_both_splits and not count["documents"]:
                 raise DataError(f"the {split} split is empty: add documents or change data.val_fraction")
     except BaseException:
         for path in temporary.values():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -39,14 +38,13 @@ from tqdm import tqdm
 
 from components.stage.fsx import REPORT_DIR, fsx_client, stage_via_dra
 from components.stage.object_paths import BadKey, inside, map_objects
-from trainer.data import tokenize_files
+from components.stage.shards import collect_shards, dataset_lock, plan_groups, tokenize_group
 from trainer.run_dir import write_json
 
 log = logging.getLogger(__name__)
 
 RAW_DIR = "raw"
 PARTIAL_DIR = ".partial"  # downloads in flight, beside raw/
-STAGE_LOCK = ".stage.lock"
 STAGE_MANIFEST = "stage-manifest.json"
 STAGE_ERROR = "stage.error.json"  # a failed stage, beside the dataset (a cached task serves many runs)
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -276,12 +274,15 @@ def not_writable_hint(namespace: str) -> str:
             "prepare-job.yaml) that creates runs/ and datasets/ for uid 10001; see docs/first-run-on-eks.md")
 
 
-def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[str, Any]:
+def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None, tokenize: bool = True) -> dict[str, Any]:
     """Stage data.s3_uri into <dataset_dir>/raw by data.stage_mode, tokenize it, write the manifest.
 
     `data` is the config's DataConfig; `fsx` an FSx client for dra mode (created when omitted). Concurrent
     stages of the same dataset folder (two pipeline runs at once) take turns. The dataset folder is created
     here, before a DRA links raw/ below it, so the token shards beside raw/ are this uid's to write.
+    The manifest's "token_groups" are data.tokenize_tasks groups of the text files (components.stage.shards);
+    with tokenize=False (the pipeline, whose tasks tokenize the groups) its "tokens" stay None until
+    collect_shards' result completes it, else each group is tokenized here in turn.
     """
     dataset_dir = Path(dataset_dir)
     try:
@@ -289,12 +290,11 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None) -> dict[
     except PermissionError as err:
         raise StageError(f"cannot create {dataset_dir} as uid {os.getuid()}: {err.strerror}. "
                          f"{not_writable_hint('resilient-train')}") from err
-    with (dataset_dir / STAGE_LOCK).open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _stage_locked(data, dataset_dir, Path(fsx_root), fsx)
+    with dataset_lock(dataset_dir):
+        return _stage_locked(data, dataset_dir, Path(fsx_root), fsx, tokenize)
 
 
-def _stage_locked(data, dataset_dir: Path, fsx_root: Path, fsx) -> dict[str, Any]:
+def _stage_locked(data, dataset_dir: Path, fsx_root: Path, fsx, tokenize: bool) -> dict[str, Any]:
     started = time.perf_counter()
     bucket, prefix = parse_s3_uri(data.s3_uri)
     raw_dir = dataset_dir / RAW_DIR
@@ -336,7 +336,11 @@ def _stage_locked(data, dataset_dir: Path, fsx_root: Path, fsx) -> dict[str, Any
     text_files = [Path(f) for f in copied["files"] if Path(f).suffix in TEXT_SUFFIXES]
     if not text_files:
         raise StageError(f"no {', '.join(TEXT_SUFFIXES)} files under {data.s3_uri}: nothing to tokenize")
-    tokens = tokenize_files(text_files, dataset_dir, data.val_fraction, data.tokenizer)
+    groups = plan_groups(text_files, dataset_dir, data.tokenize_tasks)
+    tokens, tokenize_started = None, time.perf_counter()
+    if tokenize:
+        shards = [tokenize_group(group, dataset_dir, data.val_fraction, data.tokenizer) for group in groups]
+        tokens = collect_shards(shards, dataset_dir, data.val_fraction, data.tokenizer)
 
     objects = copied["objects"]
     manifest = {"mode": data.stage_mode, "s3_uri": data.s3_uri, "dataset_dir": str(dataset_dir),
@@ -344,9 +348,10 @@ def _stage_locked(data, dataset_dir: Path, fsx_root: Path, fsx) -> dict[str, Any
                 "object_count": len(objects), "bytes": sum(o["bytes"] for o in objects),
                 "downloaded": copied["downloaded"], "deleted": copied["deleted"],
                 "skipped_count": len(skipped), "skipped_keys": [b.as_dict() for b in skipped],
-                "dra": dra, "tokens": tokens,
+                "dra": dra, "token_groups": groups, "tokens": tokens,
                 "manifest_hash": hashlib.sha256(json.dumps(sorted((o["key"], o["etag"], o["bytes"]) for o in objects))
                                                 .encode()).hexdigest(),
-                "stage_seconds": time.perf_counter() - started}
+                "stage_seconds": time.perf_counter() - started,
+                "tokenize_seconds": time.perf_counter() - tokenize_started if tokenize else None}
     write_json(manifest_path, manifest)  # last: a half-staged dataset never has a manifest claiming it complete
     return manifest

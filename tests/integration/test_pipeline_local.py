@@ -41,7 +41,7 @@ def mlflow_server(work):
 def successful_run(work, mlflow_server):
     proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e", *FAST,
                    f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--faults.schedule=sigkill@4:rank=1",
-                   cwd=work)
+                   "--data.tokenize_tasks=2", cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
 
@@ -67,8 +67,8 @@ def test_run_prints_summary_path_last_and_summary_has_the_outcome(successful_run
     assert summary["mlflow_tracking_uri"].startswith("http://127.0.0.1:")
     assert summary["mlflow_pending_records"] == 0
     # Each step's wall time as the console printed it, and what the pipeline cost beyond the training job.
-    assert set(summary["step_seconds"]) == {"prepare", "fingerprint", "stage", "record stage", "train", "validate",
-                                            "evaluate", "finalize"}
+    assert set(summary["step_seconds"]) == {"prepare", "fingerprint", "stage", "tokenize", "collect shards",
+                                            "record stage", "train", "validate", "evaluate", "finalize"}
     assert 0 < summary["outside_job_seconds"] < summary["pipeline_wall_seconds"]
     [recovery] = summary["recovery_events"]
     assert recovery["fault_type"] == "sigkill" and recovery["mechanism"] == "ft_launcher"
@@ -82,14 +82,30 @@ def test_the_console_is_a_step_list_a_progress_report_and_the_summary(successful
     """Issue 14: at most 150 lines; KFP's executor JSON and runner warnings go to the run folder's log."""
     lines = successful_run.stdout.splitlines()
     assert len(lines) <= 150, successful_run.stdout
-    for step in ("prepare", "fingerprint", "stage", "record stage", "train", "validate", "evaluate", "finalize"):
+    for step in ("prepare", "fingerprint", "stage", "collect shards", "record stage", "train", "validate", "evaluate",
+                 "finalize"):
         assert any(line.startswith(f"  {step:<14} done") for line in lines), step
+    assert sum(line.startswith(f"  {'tokenize':<14} done") for line in lines) == 2  # a ParallelFor of 2
     assert "  train  step 6/6  loss " in successful_run.stdout
     assert "  ! sigkill injected on rank 1 at step 4" in lines
     assert any(line.startswith("  ! recovered by ft_launcher restart: reloaded step") for line in lines)
     assert "Executing task" not in successful_run.stdout and "executor" not in successful_run.stdout.lower()
     log = (work / "fsx" / "runs" / "e2e" / "logs" / "pipeline.log").read_text()
     assert "Executing task" in log and "have no effect in the current local runner" in log
+
+
+def test_the_tokenize_fan_out_wrote_the_shards_one_task_writes(successful_run, second_run, work):
+    """data.tokenize_tasks=2 ran two ParallelFor tasks whose shards the trainer read as one split; the second
+    run (one task) wrote the same tokens under the same content hash and left one copy on disk."""
+    first = json.loads((work / "fsx" / "runs" / "e2e" / "steps" / "stage.json").read_text())
+    second = json.loads((work / "fsx" / "runs" / "e2e-2" / "steps" / "stage.json").read_text())
+    assert (first["token_shards"], second["token_shards"]) == (2, 1)
+    assert first["content_hash"] == second["content_hash"] and first["train_tokens"] == second["train_tokens"]
+    dataset = work / "fsx" / "datasets" / "demo"
+    meta = json.loads((dataset / "tokens.json").read_text())
+    assert meta["shards"] == ["shards/00000-of-00001"] and os.listdir(dataset / "shards") == ["00000-of-00001"]
+    manifest = json.loads((dataset / "stage-manifest.json").read_text())
+    assert manifest["tokens"] == meta and len(manifest["token_groups"]) == 1
 
 
 def test_verbose_streams_everything_and_still_ends_with_the_summary_path(second_run, work):

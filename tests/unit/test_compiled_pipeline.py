@@ -40,11 +40,23 @@ def test_dag_caching_and_exit_handler(tmp_path):
     assert set(root) == {"exit-handler-1", "finalize-run"}
     assert root["finalize-run"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"prepare-run", "fingerprint-data", "stage-data", "record-stage", "train-model",
-                          "validate-checkpoint", "evaluate-model"}
-    cached = {name for name, task in inner.items() if task.get("cachingOptions", {}).get("enableCache")}
-    assert cached == {"stage-data"}  # keyed by the data fingerprint; training never cached
-    assert set(inner["stage-data"]["inputs"]["parameters"]) == {"stage_config", "data_fingerprint"}
+    assert set(inner) == {"prepare-run", "fingerprint-data", "stage-data", "for-loop-2", "collect-shards",
+                          "record-stage", "train-model", "validate-checkpoint", "evaluate-model"}
+    loop = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]
+    cached = {name for name, task in {**inner, **loop}.items() if task.get("cachingOptions", {}).get("enableCache")}
+    assert cached == {"stage-data", "tokenize-shard", "collect-shards"}  # by the data fingerprint; never training
+    fingerprint_only = {"stage_config", "data_fingerprint"}
+    assert set(inner["stage-data"]["inputs"]["parameters"]) == fingerprint_only
+    # The fan-out: one tokenize task per item of the stage task's list, all of their outputs to one collect task.
+    assert inner["for-loop-2"]["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--stage-data-Output"}
+    assert loop["tokenize-shard"]["inputs"]["parameters"]["group"] == {
+        "componentInputParameter": "pipelinechannel--stage-data-Output-loop-item"}
+    assert set(loop["tokenize-shard"]["inputs"]["parameters"]) == {"group"}  # (the item holds the fingerprint)
+    collect = inner["collect-shards"]["inputs"]
+    assert set(collect["parameters"]) == fingerprint_only | {"shards"}
+    assert collect["parameters"]["shards"]["taskOutputParameter"]["producerTask"] == "for-loop-2"
+    assert collect["artifacts"]["staged"]["taskOutputArtifact"]["producerTask"] == "stage-data"
+    assert inner["record-stage"]["inputs"]["artifacts"]["dataset"]["taskOutputArtifact"]["producerTask"] == "collect-shards"
     assert inner["train-model"]["dependentTasks"] == ["record-stage"]
     defaults = spec["root"]["inputDefinitions"]["parameters"]
     assert json.loads(defaults["config_json"]["defaultValue"])["model"]["preset"] == "tiny"
@@ -58,6 +70,8 @@ def test_cluster_settings_retries_and_image(tmp_path):
     assert inner["stage-data"]["retryPolicy"] == {"backoffDuration": "60s", "backoffFactor": 2.0,
                                                  "backoffMaxDuration": "900s", "maxRetryCount": 2}
     assert inner["train-model"]["retryPolicy"]["maxRetryCount"] == 2
+    tokenize = spec["components"]["comp-for-loop-2"]["dag"]["tasks"]["tokenize-shard"]
+    assert tokenize["retryPolicy"] == inner["stage-data"]["retryPolicy"]
     assert "retryPolicy" not in inner["validate-checkpoint"]
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     for name, executor in executors.items():

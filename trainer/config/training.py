@@ -30,11 +30,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.experiment.strip()), "run.experiment", "must not be empty")
-        require(
-            self.run_id == "" or bool(RUN_ID_PATTERN.match(self.run_id)),
-            "run.run_id",
-            f"{self.run_id!r} must be 1-63 lowercase letters, digits or '-', starting with a letter or digit",
-        )
+        require(self.run_id == "" or bool(RUN_ID_PATTERN.match(self.run_id)), "run.run_id",
+                f"{self.run_id!r} must be 1-63 lowercase letters, digits or '-', starting with a letter or digit")
         require(bool(self.work_dir), "run.work_dir", "must not be empty")
         require(self.seed >= 0, "run.seed", "must be >= 0")
 
@@ -64,6 +61,10 @@ class DataConfig:
 
     max_workers: int = 8
     """Parallel S3 downloads during staging."""
+
+    tokenize_tasks: int = 1
+    """Tasks that tokenize the staged text (a dsl.ParallelFor, one pod each on EKS), each a group of whole files
+    into one token shard: the same tokens and content hash for any number. Raise it for a corpus beyond one pod."""
 
     stage_mode: Literal["copy", "dra"] = "copy"
     """'copy': parallel verified download onto any POSIX path (local disk, NVMe, EFS, the local demo);
@@ -108,13 +109,11 @@ class DataConfig:
         require(self.dra_poll_seconds > 0, "data.dra_poll_seconds", "must be > 0")
         require(self.on_bad_key in ("fail", "skip"), "data.on_bad_key", "must be 'fail' or 'skip'")
         check_s3_uri(self.s3_uri, "data.s3_uri")
-        require(
-            bool(re.match(r"^[A-Za-z0-9._-]+$", self.dataset_name)),
-            "data.dataset_name",
-            f"{self.dataset_name!r} must be a plain folder name (letters, digits, '.', '_', '-')",
-        )
+        require(bool(re.match(r"^[A-Za-z0-9._-]+$", self.dataset_name)), "data.dataset_name",
+                f"{self.dataset_name!r} must be a plain folder name (letters, digits, '.', '_', '-')")
         require(0.0 < self.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
         require(self.max_workers >= 1, "data.max_workers", "must be >= 1")
+        require(1 <= self.tokenize_tasks <= 10000, "data.tokenize_tasks", "must be in [1, 10000]")
 
     @property
     def bucket(self) -> str:

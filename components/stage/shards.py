@@ -1,0 +1,137 @@
+"""Tokenization fanned out over groups of files: one token shard per group, the dataset's tokens.json lists
+them in order.
+
+The stage step plans the groups (``plan_groups``: ``data.tokenize_tasks`` contiguous runs of the sorted file
+list, balanced by bytes); each group is tokenized on its own (``tokenize_group``: in the pipeline one KFP task
+per group under ``dsl.ParallelFor``, on EKS one pod each; in ``stage_dataset`` one after another) into
+``<dataset_dir>/shards/<index>-of-<count>/``; ``collect_shards`` then writes ``<dataset_dir>/tokens.json``
+naming every shard's files. Because the groups are contiguous in the order one task reads the files, the
+shards' concatenation is byte for byte what one task writes, and the content hash combined from the shards'
+file digests is the one that task computes: the number of tasks changes neither the tokens nor the hash.
+No KFP imports: the components and the tests call these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from trainer.data import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, load_meta, shard_files,
+                          tokenize_files)
+from trainer.run_dir import write_json
+from trainer.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+SHARDS_DIR = "shards"
+STAGE_LOCK = ".stage.lock"
+
+
+@contextlib.contextmanager
+def dataset_lock(dataset_dir: Path, *, shared: bool = False) -> Iterator[None]:
+    """The dataset folder's lock: staging and collecting hold it alone, tokenizing tasks share it (so a
+    concurrent run's stage cannot replace raw files under them)."""
+    with (Path(dataset_dir) / STAGE_LOCK).open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+
+
+def plan_groups(files: list[Path], dataset_dir: Path, count: int) -> list[dict[str, Any]]:
+    """At most `count` groups of whole files, contiguous in sorted order, each about the same bytes; files
+    are named relative to dataset_dir (what a task on another node finds under the same mount)."""
+    files = sorted(files)
+    if not files:
+        raise DataError(f"no .txt, .jsonl or .parquet files to tokenize for {dataset_dir}")
+    count = max(1, min(count, len(files)))
+    sizes = [path.stat().st_size for path in files]
+    total = max(1, sum(sizes))
+    groups: list[list[Path]] = [[]]
+    done = 0
+    for position, (path, size) in enumerate(zip(files, sizes)):
+        groups[-1].append(path)
+        done += size
+        groups_after = count - len(groups)
+        files_after = len(files) - position - 1
+        # Cut at this group's share of the bytes, or where each group still to come needs one of the files left.
+        if groups_after and (done >= total * len(groups) / count or files_after == groups_after):
+            groups.append([])
+    assert len(groups) == count and all(groups), (count, [len(g) for g in groups])
+    return [{"index": index, "count": count, "files": [str(p.relative_to(dataset_dir)) for p in group]}
+            for index, group in enumerate(groups)]
+
+
+def shard_dir(dataset_dir: Path, index: int, count: int) -> Path:
+    return Path(dataset_dir) / SHARDS_DIR / f"{index:05d}-of-{count:05d}"
+
+
+def tokenize_group(group: dict[str, Any], dataset_dir: Path, val_fraction: float, tokenizer: str) -> dict[str, Any]:
+    """Tokenize one planned group into its shard folder (reused when its files are unchanged); returns what
+    collect_shards needs: the group's index and count, the shard folder and its content hash (and its seconds)."""
+    dataset_dir = Path(dataset_dir)
+    files = [dataset_dir / name for name in group["files"]]
+    missing = [str(path) for path in files if not path.is_file()]
+    if missing:
+        raise DataError(f"{missing[0]} (tokenize group {group['index']} of {group['count']}) does not exist: the "
+                        "staged files changed since the stage task listed them; run the pipeline again")
+    started = time.perf_counter()
+    out = shard_dir(dataset_dir, group["index"], group["count"])
+    meta = tokenize_files(files, out, val_fraction, tokenizer, require_both_splits=False)
+    return {"index": group["index"], "count": group["count"], "dir": str(out.relative_to(dataset_dir)),
+            "content_hash": meta["content_hash"], "seconds": time.perf_counter() - started}
+
+
+def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction: float, tokenizer: str
+                   ) -> dict[str, Any]:
+    """The dataset's tokens.json from every group's shard, in group order; then the shards of earlier plans
+    (another tokenize_tasks) and the single-file layout of older versions are deleted."""
+    dataset_dir = Path(dataset_dir)
+    shards = sorted(shards, key=lambda s: s["index"])
+    count = shards[0]["count"] if shards else 0
+    if not shards or [s["index"] for s in shards] != list(range(count)) or {s["count"] for s in shards} != {count}:
+        raise DataError(f"{dataset_dir}: expected one token shard per tokenize group, got groups "
+                        f"{[(s['index'], s['count']) for s in shards]}: run the pipeline again")
+    metas = []
+    for shard in shards:
+        meta = load_meta(dataset_dir / shard["dir"])
+        if meta.get("content_hash") != shard["content_hash"] or "file_digests" not in meta:
+            raise DataError(f"{dataset_dir / shard['dir'] / META_FILE} changed after its tokenize task wrote it (two "
+                            "runs with different data.tokenize_tasks or data at once?): run the pipeline again")
+        metas.append(meta)
+    first = metas[0]
+    for shard, meta in zip(shards, metas):
+        if (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["val_fraction"]) != (
+                first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction):
+            raise DataError(f"{dataset_dir / shard['dir'] / META_FILE}: tokenized with other settings than the rest "
+                            f"(tokenizer, dtype or data.val_fraction): run the pipeline again")
+    loaded = load_tokenizer(tokenizer)
+    digests = [digest for meta in metas for digest in meta["file_digests"]]
+    splits = {}
+    for split in ("train", "val"):
+        files = [f"{shard['dir']}/{name}" for shard, meta in zip(shards, metas) for name in shard_files(meta["splits"][split])]
+        totals = {key: sum(meta["splits"][split][key] for meta in metas) for key in ("tokens", "documents")}
+        if not totals["documents"]:
+            raise DataError(f"the {split} split is empty: add documents or change data.val_fraction")
+        splits[split] = {"files": files, **totals}
+    merged = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": first["tokenizer"], "vocab_size": first["vocab_size"],
+              "dtype": first["dtype"], "content_hash": combined_content_hash(digests, val_fraction,
+                                                                              loaded.tokenizer.to_str()),
+              "val_fraction": val_fraction, "splits": splits, "shards": [shard["dir"] for shard in shards]}
+    write_json(dataset_dir / META_FILE, merged)
+    _delete_unlisted(dataset_dir, {Path(shard["dir"]).name for shard in shards})
+    log.info("%d token shard(s) in %s: %d train / %d val tokens", count, dataset_dir, splits["train"]["tokens"],
+             splits["val"]["tokens"])
+    return merged
+
+
+def _delete_unlisted(dataset_dir: Path, listed: set[str]) -> None:
+    """Shards no tokens.json names any more: a run still reading them keeps its open files (POSIX unlink)."""
+    for stale in sorted((dataset_dir / SHARDS_DIR).iterdir()):
+        if stale.name not in listed:
+            shutil.rmtree(stale, ignore_errors=True)
+    for name in ("train.bin", "val.bin"):  # the single-file layout of versions before the fan-out
+        (dataset_dir / name).unlink(missing_ok=True)
