@@ -12,6 +12,9 @@ delivered twice (a crash between the server's commit and our bookmark) leaves no
   already logged; params and tags are set to the same value again; an artifact is overwritten with the same
   bytes (artifacts are copied into the spool when logged); a table is written whole, replacing the last one.
 
+A long-lived process may deliver for the steps (components.delivery): they then only journal, and an answer
+that depends on delivery (a run id, the pending count) waits for it.
+
 What the trainer writes into the run folder while it trains reaches the train run through ``forward`` (the
 live forwarder, components.forwarder): the rows and the forwarder's new read positions go into the journal
 under one lock, so a restarted forwarder (a retried step) starts where the journal says it stopped.
@@ -49,6 +52,8 @@ PIPELINE_RUN_TAG = "pipeline_run_id"
 STEP_TAG = "pipeline_step"
 SPOOL_KEY_TAG = "spool_key"
 PARENT = "pipeline"  # the spool's name for the parent run
+DELIVERER_LOCK = "deliverer.lock"  # held by a live SpoolDeliverer (components.delivery)
+DELIVERER_UNREACHABLE = "deliverer.unreachable"  # present while that deliverer cannot reach the server
 _METRICS_PER_CALL = 1000  # MLflow's log_batch limits
 _PARAMS_PER_CALL = 100
 
@@ -113,7 +118,7 @@ class Tracker:
                     handle.flush()
                     os.fsync(handle.fileno())
             write_json(self.spool / "forwarded.json", cursor, fsync=True)
-        if rows:
+        if rows and not self.deliverer_active():
             self.flush()
 
     def forwarded_cursor(self) -> dict[str, Any]:
@@ -143,11 +148,44 @@ class Tracker:
 
     def run_id(self, run: str = PARENT) -> str | None:
         """The MLflow run id of a spooled run, once it has been delivered."""
+        if run not in self._state()["runs"]:
+            self._settle()
         return self._state()["runs"].get(run)
 
     def pending(self) -> int:
         """Records not yet delivered because the server was unreachable."""
+        self._settle()
         return max(0, self._journal_length() - self._state()["delivered"])
+
+    # -- a deliverer in another process (components.delivery) ----------------------------------------
+
+    def deliverer_active(self) -> bool:
+        """Whether a live SpoolDeliverer holds this spool: then records are journaled here and delivered there."""
+        if not (self.spool / DELIVERER_LOCK).is_file():
+            return False
+        with (self.spool / DELIVERER_LOCK).open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return False
+
+    def _settle(self, timeout: float = 60.0) -> None:
+        """What is journaled delivered before an answer that depends on it: with a live deliverer, wait for it
+        (unless it reports the server unreachable), then deliver whatever is left here."""
+        if not self.deliverer_active():
+            return  # _record delivered already
+        deadline = time.monotonic() + timeout
+        while (self._undelivered_bytes() and self.deliverer_active() and time.monotonic() < deadline
+               and not (self.spool / DELIVERER_UNREACHABLE).exists()):
+            time.sleep(0.05)
+        if self._undelivered_bytes():
+            self.flush()
+
+    def _undelivered_bytes(self) -> int:
+        offset, size = self._state().get("offset"), self.journal.stat().st_size if self.journal.is_file() else 0
+        return 1 if offset is None else max(0, size - offset)
 
     def rejected(self) -> int:
         """Records the server refused (or that depend on one it refused): not in MLflow."""
@@ -172,7 +210,8 @@ class Tracker:
                 handle.write(json.dumps({**op, "time": time.time()}) + "\n")
                 handle.flush()
                 os.fsync(handle.fileno())
-        self.flush()
+        if not self.deliverer_active():
+            self.flush()
 
     def _undelivered(self, state: dict[str, Any]) -> list[str]:
         """The journal's lines after the delivered ones, read from the byte offset delivery reached (a month's
@@ -189,10 +228,7 @@ class Tracker:
         return complete.splitlines()
 
     def _journal_length(self) -> int:
-        if not self.journal.is_file():
-            return 0
-        with self.journal.open() as handle:
-            return sum(1 for _ in handle)
+        return self.journal.read_bytes().count(b"\n") if self.journal.is_file() else 0
 
     def _state(self) -> dict[str, Any]:
         return read_json(self.state_path) or {"delivered": 0, "runs": {}, "offset": 0}
@@ -290,6 +326,11 @@ class Tracker:
 
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
+
+    def connect(self) -> None:
+        """Import MLflow's client and open its store now (a deliverer warms up while the first steps start)."""
+        self._check_reachable()
+        self._mlflow().search_experiments(max_results=1)
 
     def _check_reachable(self) -> None:
         if not self.tracking_uri.startswith(("http://", "https://")):

@@ -1,8 +1,8 @@
 """The pipeline on this machine: the embedded stack (S3 on loopback, the demo corpus) and KFP's local runner.
 
 ``run_locally`` gives every step the same config the compiled pipeline would, runs them with
-``kfp.local.SubprocessRunner`` inside a ``PipelineConsole`` (compact console, full logs in the run folder)
-and returns the summary that the finalize step wrote (``summary.json``), with the pipeline's wall time added.
+``kfp.local.SubprocessRunner`` inside a ``PipelineConsole`` (compact console, full logs in the run folder),
+delivers the steps' MLflow records from this process (``SpoolDeliverer``) and returns the summary that the finalize step wrote (``summary.json``), with the pipeline's wall time added.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 
 import kfp.local
 
+from components.context import tracker
+from components.delivery import SpoolDeliverer
 from components.stage.fsx import FsxError
 from components.stage.staging import STAGE_MANIFEST, StageError
 from components.stage.step import run_stage
@@ -50,6 +52,8 @@ def run_locally(cfg: Config, *, verbose: bool = False) -> dict:
     started = time.perf_counter()
     console = PipelineConsole(run_dir.path, cfg.training.num_steps, verbose=verbose)
     with console, contextlib.ExitStack() as stack:
+        # MLflow imported and its store opened once, here, instead of in each step (components/delivery.py).
+        stack.enter_context(SpoolDeliverer(tracker(cfg)))
         try:
             stack.enter_context(embedded_stack(cfg, run_dir.logs))
         except (DemoUploadError, LocalStackError) as err:  # before any step: the summary says why
