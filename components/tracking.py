@@ -155,7 +155,7 @@ class Tracker:
     def pending(self) -> int:
         """Records not yet delivered because the server was unreachable."""
         self._settle()
-        return max(0, self._journal_length() - self._state()["delivered"])
+        return len(self._undelivered(self._state()))  # (reads the journal from where delivery stopped)
 
     # -- a deliverer in another process (components.delivery) ----------------------------------------
 
@@ -226,9 +226,6 @@ class Tracker:
             text = handle.read().decode()
         complete = text[: text.rfind("\n") + 1]  # a line still being appended is not a record yet
         return complete.splitlines()
-
-    def _journal_length(self) -> int:
-        return self.journal.read_bytes().count(b"\n") if self.journal.is_file() else 0
 
     def _state(self) -> dict[str, Any]:
         return read_json(self.state_path) or {"delivered": 0, "runs": {}, "offset": 0}
