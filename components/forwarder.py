@@ -10,9 +10,11 @@ Forwarded, each from its file in the run folder and each point with its own time
   metrics.jsonl does): loss, lr, grad_norm, step and data seconds, tokens/s;
 - ``events/rank-N.jsonl`` — committed checkpoints (with the worst rank's loop wait, once every rank's stall
   is in), failed saves, faults (``fault``: 1 at its step), recoveries (their seconds and lost steps at the
-  recovery's first step, the running count ``recoveries``, and the recovery table), the planner's interval
-  choices;
-- ``system/<node>.jsonl`` — each training node's system metrics as ``system/<node>/<metric>``.
+  recovery's first step, the running count ``recoveries``, and the recovery table), straggler reports (the
+  count ``stragglers`` and ``straggler_lowest_score`` per report, and the straggler table), the planner's
+  interval choices;
+- ``system/<node>.jsonl`` — each training node's system metrics as ``system/<node>/<metric>``;
+- ``trainer_status.json`` — rank 0's progress report (trainer.progress), as a line in this step's log.
 
 Exactly once, through the spool (components.tracking): the forwarder's read positions (byte offsets of
 whole lines), and the commits it read that still wait for another rank's stall line, are saved with the rows
@@ -29,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from components.tracking import Tracker, metric_rows
-from trainer.run_dir import RunDir
+from trainer.progress import progress_line
+from trainer.run_dir import RunDir, read_json
 
 log = logging.getLogger(__name__)
 
 RECOVERY_TABLE = "recovery_events.json"
+STRAGGLER_TABLE = "straggler_events.json"
 # Recovery fields logged as metrics at the recovery's first step.
 RECOVERY_METRICS = ("recovery_seconds", "lost_steps", "reload_seconds", "reinit_seconds",
                     "detect_and_teardown_seconds", "first_step_seconds", "fsx_bytes_read", "restore_seconds",
@@ -55,6 +59,8 @@ class RunFolderForwarder:
         self._handoffs: dict[int, dict[int, float]] = {}
         self._pending_commits: list[dict[str, Any]] = saved.get("pending_commits", [])  # read, waiting for stalls
         self._recoveries: list[dict[str, Any]] = []
+        self._stragglers: list[dict[str, Any]] = []
+        self._progress_seen: int | None = None
         self._recovery_count = 0
         self._replayed_history = False
 
@@ -108,13 +114,34 @@ class RunFolderForwarder:
             if new_recoveries:
                 self._recoveries += new_recoveries
                 self.log_recovery_table()
+            self._log_progress()
+            new_stragglers = [e for e in events if e.get("event") == "straggler"]
+            if new_stragglers:
+                self._stragglers += new_stragglers
+                self._log_table(self._stragglers, STRAGGLER_TABLE)
             return len(rows)
 
+    def _log_progress(self) -> None:
+        """The trainer's progress report (trainer.progress), in this step's log when it changed."""
+        path = self.run_dir.trainer_status
+        try:
+            changed = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if changed != self._progress_seen:
+            self._progress_seen = changed
+            status = read_json(path)
+            if status:
+                log.info("%s", progress_line(status))
+
     def log_recovery_table(self) -> None:
-        if self._recoveries:
-            columns = sorted({key for r in self._recoveries for key in r})
-            self.tracker.log_table(self.run, data={c: [_cell(r.get(c)) for r in self._recoveries] for c in columns},
-                                   artifact_file=RECOVERY_TABLE)
+        self._log_table(self._recoveries, RECOVERY_TABLE)
+
+    def _log_table(self, records: list[dict[str, Any]], artifact_file: str) -> None:
+        if records:
+            columns = sorted({key for r in records for key in r})
+            self.tracker.log_table(self.run, data={c: [_cell(r.get(c)) for r in records] for c in columns},
+                                   artifact_file=artifact_file)
 
     def _key(self, path: Path) -> str:
         return str(Path(path).relative_to(self.run_dir.path))
@@ -156,6 +183,8 @@ class RunFolderForwarder:
                 self._note_stall(event)
             elif event.get("event") == "recovery":
                 self._recoveries.append(event)
+            elif event.get("event") == "straggler":
+                self._stragglers.append(event)
         self._recovery_count = len(self._recoveries)
 
     def _note_stall(self, event: dict[str, Any]) -> None:
@@ -179,6 +208,9 @@ class RunFolderForwarder:
                 record = {"step": event["first_step"], "time": event["time"], "recoveries": self._recovery_count}
                 record.update({k: event[k] for k in RECOVERY_METRICS if event.get(k) is not None})
                 records.append(record)
+            elif kind == "straggler_report":  # per report: how many, and the slowest rank's lowest score
+                records.append({"step": event["step"], "time": event["time"], "stragglers": len(event["stragglers"]),
+                                **({"straggler_lowest_score": event["lowest"]["score"]} if event["lowest"] else {})})
             elif kind == "checkpoint_interval_chosen" and event["rank"] == 0:
                 records.append({"step": event.get("step", 0), "time": event["time"],
                                 "checkpoint_interval_steps_chosen": event["interval_steps"]})
@@ -201,5 +233,8 @@ class RunFolderForwarder:
 
 
 def _cell(value: Any) -> Any:
-    """A table cell MLflow's table view shows: lists (a recovery's fault keys) as text."""
+    """A table cell MLflow's table view shows: lists (a recovery's fault keys) and mappings (a straggler's
+    section scores) as text."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
     return ", ".join(map(str, value)) if isinstance(value, list) else value

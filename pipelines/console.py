@@ -153,7 +153,15 @@ class TrainingProgress:
             lost = event["lost_steps"] if event["lost_steps"] is not None else "?"
             seconds = f"{event['recovery_seconds']:.1f} s" if event["recovery_seconds"] is not None else "n/a"
             line = (f"  ! recovered by {event['mechanism']} restart: reloaded step {event['reloaded_step']} from "
-                    f"{event['reload_source']}, {lost} steps lost, {seconds} to the next step")
+                    f"{event['reload_source']}, {lost} steps lost, {seconds} to the next step"
+                    + "".join(f"\n    cause: {cause}" for cause in [*event.get("earlier_causes", []), event.get("cause")]
+                              if cause))
+        elif event["event"] == "straggler":
+            key = ("straggler", event.get("step"), event.get("straggler_rank"))
+            line = (f"  ! straggler at step {event['step']}: rank {event['straggler_rank']} on {event['node']}, "
+                    f"its work at {event['score']:.2f} of the fastest rank's, slowest in {event['section']} "
+                    f"({event['consecutive_reports']} "
+                    f"report(s) in a row{', replacing its node' if event.get('action') == 'replace_node' else ''})")
         elif event["event"] == "checkpoint_failed":
             key = ("checkpoint_failed", event.get("step"))
             line = f"  ! checkpoint step {event['step']} failed, not committed (the next save commits): {event['error']}"
@@ -294,6 +302,11 @@ def print_summary(summary: dict, summary_path: Path, out: TextIO | None = None) 
         lines.append(f"    {event['fault_type']} on rank {event['fault_rank']} at step {event['fault_step']}: "
                      f"{event['mechanism']} restart, reloaded step {event['reloaded_step']} from {event['reload_source']}, "
                      f"{event['lost_steps']} steps lost, {_seconds(event['recovery_seconds'])} to the next step")
+        for cause in [*event.get("earlier_causes", []), event.get("cause")]:
+            if cause:
+                lines.append(f"      cause: {cause}")
+    stragglers = summary.get("straggler_events") or []
+    lines.append(f"  stragglers         {_straggler_line(stragglers)}")
     if summary.get("mlflow_pending_records"):
         lines.append(f"  MLflow spool       {summary['mlflow_pending_records']} record(s) not delivered (tracking "
                      f"server unreachable): python -m pipelines mlflow-sync {summary['run_dir']}")
@@ -308,6 +321,20 @@ def print_summary(summary: dict, summary_path: Path, out: TextIO | None = None) 
         lines.append(f"  MLflow UI          mlflow ui --backend-store-uri {uri} --port 5000")
     lines.append(str(summary_path))
     print("\n".join(lines), file=out if out is not None else sys.stdout)
+
+
+def _straggler_line(events: list[dict]) -> str:
+    """One line per run: none, or each straggling rank with its node, first report and lowest score."""
+    if not events:
+        return "none reported"
+    ranks: dict[int, dict] = {}
+    for event in events:
+        seen = ranks.setdefault(event["straggler_rank"], {**event, "reports": 0})
+        seen["reports"] += 1
+        if event["score"] < seen["score"]:
+            seen.update(section=event["section"], score=event["score"])
+    return "; ".join(f"rank {r} on {e['node']} from step {e['step']} ({e['reports']} report(s), lowest: {e['score']:.2f} "
+                     f"of the fastest rank's work, slowest in {e['section']})" for r, e in sorted(ranks.items()))
 
 
 def _promotion_line(decision: dict | None) -> str:

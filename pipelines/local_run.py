@@ -81,7 +81,8 @@ def failed_before_start(cfg: Config, step: str, err: Exception) -> dict:
             "mlflow_experiment": cfg.run.experiment, "mlflow_parent_run_id": None, "mlflow_pending_records": 0,
             "mlflow_rejected_records": 0, "run_dir": str(cfg.run_dir), "checkpoint_dir": str(cfg.checkpoint_dir),
             "checkpoint": None, "steps_trained": None, "final_train_loss": None, "heldout_loss": None,
-            "heldout_perplexity": None, "promotion": None, "recovery_events": [], "goodput": None,
+            "heldout_perplexity": None, "promotion": None, "recovery_events": [], "straggler_events": [],
+            "goodput": None,
             "errors": [{"step": step, "error_type": type(err).__name__, "message": str(err)}], "steps": {},
             "finished_at": time.time()}
 

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from trainer import logs
 from trainer.config import ConfigError, load_config
 from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE, EscalateToLauncher, RestartBudgetExhausted
+from trainer.resilience.failures import record_failure, record_sigterm
 from trainer.resilience.in_process import InProcessAttempt, run_with_in_process_restart
+from trainer.resilience.phases import current_phase
 from trainer.trainer import Trainer
 
 log = logging.getLogger("trainer")
@@ -50,15 +53,22 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return 2
 
+    rank = int(os.environ.get("RANK", "0"))
+    record_sigterm(cfg.run_dir, rank, phase_of=current_phase)
+
     def train(attempt: InProcessAttempt | None = None) -> None:
-        trainer = Trainer(cfg, args.data_dir, in_process=attempt)
-        finished = False
+        trainer, finished = None, False
         try:
+            trainer = Trainer(cfg, args.data_dir, in_process=attempt)
             trainer.train()
             finished = True
+        except Exception as err:  # the rank's own record of how it failed (trainer.resilience.failures)
+            record_failure(cfg.run_dir, rank, err, current_phase(), trainer.step if trainer is not None else None)
+            raise
         finally:
-            # After a fault the peers may be gone: the save in flight is dropped, not waited for.
-            trainer.close(wait_for_checkpoint=finished or attempt is None, peers_alive=finished)
+            if trainer is not None:
+                # After a fault the peers may be gone: the save in flight is dropped, not waited for.
+                trainer.close(wait_for_checkpoint=finished or attempt is None, peers_alive=finished)
 
     try:
         if cfg.resilience.in_process:

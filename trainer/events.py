@@ -7,11 +7,25 @@ no rank waits on another to record what happened to it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from trainer.lease import GENERATION_ENV
 from trainer.run_dir import RunDir, read_jsonl
+
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # restarts of this node's workers by its launcher
+JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
+IN_PROCESS_ITERATION_ENV = "RESILIENT_TRAIN_IN_PROCESS_ITERATION"
+
+
+def current_attempt() -> str:
+    """Which start of the ranks this process belongs to — the same on every rank of it: the launch's lease
+    generation, the job relaunch, the launcher's restart, the in-process iteration. Every event carries it, so
+    the records of one failed attempt can be told from the next one's (trainer.resilience.failures)."""
+    return "/".join(os.environ.get(name, "0") for name in (GENERATION_ENV, JOB_ATTEMPT_ENV, RESTART_COUNT_ENV,
+                                                             IN_PROCESS_ITERATION_ENV))
 
 
 class EventLog:
@@ -26,7 +40,7 @@ class EventLog:
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         if self.fence is not None:
             self.fence.check()
-        record = {"event": event, "rank": self.rank, "time": time.time(), **fields}
+        record = {"event": event, "rank": self.rank, "time": time.time(), "attempt": current_attempt(), **fields}
         # Open per record: a SIGKILL can lose at most the line being written, never earlier ones.
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")

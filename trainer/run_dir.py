@@ -44,6 +44,7 @@ LOGS_DIR = "logs"
 PIPELINE_LOG = "pipeline.log"
 REJECTED = "rejected.jsonl"
 GAVE_UP = "gave_up.json"
+TRAINER_STATUS = "trainer_status.json"  # the TrainJob progress rank 0 reports (trainer.progress)
 SYSTEM_DIR = "system"
 
 
@@ -72,6 +73,7 @@ class RunDir:
     rejected = property(lambda self: self.path / SPOOL_DIR / REJECTED)
     gave_up = property(lambda self: self.path / GAVE_UP)
     system = property(lambda self: self.path / SYSTEM_DIR)
+    trainer_status = property(lambda self: self.path / TRAINER_STATUS)
 
     def system_of(self, node: str) -> Path:
         return self.system / f"{node}.jsonl"

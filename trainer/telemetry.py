@@ -1,7 +1,7 @@
 """The trainer's optional Prometheus endpoint (``training.prometheus_port``; 0 = off).
 
 Each training process serves ``/metrics`` on ``prometheus_port + LOCAL_RANK``: step, loss, tokens/s,
-the loop's checkpoint stall and recoveries by mechanism — what the EKS dashboards (PodMonitor) scrape.
+the loop's checkpoint stall, recoveries by mechanism and the straggler scores — what the EKS dashboards (PodMonitor) scrape.
 The server and the metric objects are per process, so an in-process restart keeps serving the same
 series instead of failing to bind the port again.
 """
@@ -32,6 +32,9 @@ def _registry() -> dict[str, Any]:
                         labels),
             recoveries=Counter("resilient_train_recoveries", "Recoveries from faults, by mechanism",
                                [*labels, "mechanism"]),
+            straggler_score=Gauge("resilient_train_straggler_score", "This rank's relative straggler score per "
+                                  "section in the last report (1: as fast as the fastest rank)", [*labels, "section"]),
+            straggler=Gauge("resilient_train_straggler", "1 if the last straggler report named this rank", labels),
         )
     return _metrics
 
@@ -66,3 +69,9 @@ class Telemetry:
     def observe_recovery(self, mechanism: str) -> None:
         if self.enabled:
             self.metrics["recoveries"].labels(**self.labels, mechanism=mechanism).inc()
+
+    def observe_straggler(self, scores: dict[str, float], is_straggler: bool) -> None:
+        if self.enabled:
+            for section, score in scores.items():
+                self.metrics["straggler_score"].labels(**self.labels, section=section).set(score)
+            self.metrics["straggler"].labels(**self.labels).set(int(is_straggler))

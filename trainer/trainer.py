@@ -36,14 +36,17 @@ from trainer.checkpoint.prefetch import started_from_environment
 from trainer.checkpoint.s3_tier import S3Tier
 from trainer.config import Config
 from trainer.data import TokenBatches, load_meta
-from trainer.events import EventLog
+from trainer.events import IN_PROCESS_ITERATION_ENV, EventLog
 from trainer.lease import GENERATION_ENV, Fence, RunFolderBusy, RunLease
 from trainer.model import build_model_on_meta, copy_initial_weights, load_or_build_model, materialize_on, shard_model
 from trainer.optimizer import build_optimizer, initialize_state
 from trainer.planning.auto import AutoInterval
+from trainer.progress import ProgressReporter
 from trainer.resilience.budget import RESTART_COUNT_ENV, RestartBudget, current_layer
+from trainer.resilience.faults import startup_hang_drill
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
+from trainer.resilience.phases import PhaseWatchdog, exit_hung, parse_startup_timeouts
 from trainer.run_dir import RunDir, write_json
 from trainer.telemetry import Telemetry
 from trainer.tokenizer import load_tokenizer
@@ -67,13 +70,18 @@ class Trainer:
     def __init__(self, cfg: Config, data_dir: Path, in_process: InProcessAttempt | None = None):
         self.cfg = cfg
         self.in_process = in_process
+        if in_process is not None:  # each iteration's events are told apart (trainer.events.current_attempt)
+            os.environ[IN_PROCESS_ITERATION_ENV] = str(in_process.iteration)
         self.data_dir = Path(data_dir)
         self.step = 0  # optimizer steps completed
         self.last_loss = float("nan")
         timer = _PhaseTimer()  # where a (re)start's time goes: recorded with the launch
         # First: a start that will resume from FSx reads its share of the checkpoint while the rest starts.
         self._prefetch = started_from_environment(cfg.checkpoint_dir, cfg.checkpoint)
-        self.init_distributed()
+        self.watchdog = self._start_watchdog()  # each start-up phase under its own timeout
+        with self.watchdog.phase("rendezvous"):
+            self.init_distributed()
+        self.watchdog.enter("process_group")
         self.agree_on_restart_count()
         self._own_lease: RunLease | None = None
         self.fence = self.join_lease()
@@ -87,6 +95,7 @@ class Trainer:
         self.restart_budget.start()  # a crash loop ends here, before the model is built again
         torch.manual_seed(cfg.run.seed)
         timer.done("process_group")
+        self.watchdog.enter("model_build")
 
         meta = load_meta(self.data_dir)
         self._build_model_args = {"model": cfg.model, "vocab_size": meta["vocab_size"],
@@ -133,14 +142,26 @@ class Trainer:
             save_point=self.resilience.injector.at_save_point, fence=self.fence,
         )
         self.checkpointer.prefetch = self._prefetch
+        self.checkpointer.phase = self.watchdog.phase
         nodes = memory.nodes if memory is not None else max(
             1, self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         self.interval_planner = AutoInterval(cfg, self.checkpointer, self.events, rank=self.rank, nodes=nodes)
+        self.progress = ProgressReporter(cfg, rank=self.rank, nodes=nodes, restarted=self.resilience.is_restart,
+                                         run_started_at=self.resilience.injector.run_started_at)
         timer.done("checkpointing")
+        self.watchdog.leave()
         self.resilience.start(init_seconds={"imports": timer.started - self.resilience.process_started_at,
                                             **timer.phases})
 
     # -- set-up ------------------------------------------------------------------------------------
+
+    def _start_watchdog(self) -> PhaseWatchdog:
+        rank = int(os.environ.get("RANK", "0"))
+        events = EventLog(self.cfg.run_dir, rank)  # no fence yet: the lease is joined after the rendezvous
+        return PhaseWatchdog(parse_startup_timeouts(self.cfg.resilience.startup_timeouts),
+                             on_hang=lambda phase, seconds, timeout: exit_hung(events, rank, phase, seconds, timeout,
+                                                                               step=getattr(self, "step", None)),
+                             hang_in=startup_hang_drill(self.cfg.faults.schedule, rank, self.cfg.run_dir, events))
 
     def init_distributed(self) -> None:
         backend = self.cfg.training.backend
@@ -293,23 +314,25 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
-        data_seconds = 0.0
-        for micro in range(t.grad_accum_steps):
-            fetch_started = time.perf_counter()
-            inputs, labels = self.batches.batch(self.step, micro, self.rank)
-            data_seconds += time.perf_counter() - fetch_started
-            inputs = torch.from_numpy(inputs).to(self.device)
-            labels = torch.from_numpy(labels).to(self.device)
-            logits = self.model(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
-            (loss / t.grad_accum_steps).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   t.grad_clip if t.grad_clip > 0 else float("inf"))
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # Timed sections (trainer.resilience.straggler): each rank's own work; the loss's all-reduce stays out.
+        with self.resilience.section("data"):
+            micro_batches = [self.batches.batch(self.step, micro, self.rank) for micro in range(t.grad_accum_steps)]
+        data_seconds = time.perf_counter() - started
+        with self.resilience.section("forward_backward"):
+            for inputs, labels in micro_batches:
+                inputs = torch.from_numpy(inputs).to(self.device)
+                labels = torch.from_numpy(labels).to(self.device)
+                logits = self.model(input_ids=inputs).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+                (loss / t.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       t.grad_clip if t.grad_clip > 0 else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        with self.resilience.section("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         if self.world_size > 1:  # note: a sync point; the loss is averaged over ranks only for reporting
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         self.step += 1
@@ -324,11 +347,13 @@ class Trainer:
         return self.step < self.cfg.training.num_steps
 
     def train(self) -> dict[str, Any]:
+        self.watchdog.enter("first_step")  # the resume's tiers are phases of their own inside it
         self.resume()
         started_at_step, started = self.step, time.perf_counter()
         with _MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
             while self.should_continue_training():
                 metrics = self.train_step()
+                self.watchdog.close()  # start-up is over: ft_launcher's heartbeats watch the loop
                 writer.write(metrics)
                 if self.step % self.cfg.training.log_every == 0 or self.step == 1:
                     log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
@@ -336,11 +361,15 @@ class Trainer:
                              metrics["tokens_per_second"])
                 self.interval_planner.before_save(self.step, metrics["step_seconds"])
                 save_started = time.perf_counter()
-                saved = self.checkpointer.save(self.step, self.state_dict, last=not self.should_continue_training())
+                with self.resilience.section("checkpoint_wait"):
+                    saved = self.checkpointer.save(self.step, self.state_dict,
+                                                   last=not self.should_continue_training())
                 self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)
                 self.resilience.after_step(self.step)
+                self.progress.observe(self.step, metrics, straggler=self.resilience.stragglers.current)
         tail_started = time.perf_counter()
         self.checkpointer.save_final(self.step, self.state_dict)
+        self.progress.finish(self.step, {"loss": self.last_loss}, straggler=self.resilience.stragglers.current)
         result = {"final_checkpoint_wait_seconds": time.perf_counter() - tail_started,
                   "steps": self.step, "steps_this_launch": self.step - started_at_step,
                   "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
@@ -358,6 +387,7 @@ class Trainer:
         """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped.
         peers_alive=False: whatever waits on another rank (a peer replica round) is dropped — a node lost
         mid-round never answers, and waiting for it would hang this rank instead of letting it restart."""
+        self.watchdog.close()
         self.resilience.close()
         self.checkpointer.close(wait=wait_for_checkpoint, peers_alive=peers_alive)
         if self._own_lease is not None:

@@ -51,6 +51,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "heldout_perplexity": evaluate.get("perplexity"),
         "promotion": evaluate.get("promotion"),
         "recovery_events": read_events(cfg.run_dir, "recovery"),
+        "straggler_events": read_events(cfg.run_dir, "straggler"),
         "restart_budget_gave_up": (read_gave_up(cfg.run_dir) or {}).get("message"),
         "goodput": train.get("goodput"),
         "errors": errors,
@@ -62,6 +63,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
                    if summary[k] is not None}
         if train:
             totals = train["recovery_totals"]
+            metrics["straggler_events"] = len(summary["straggler_events"])
             metrics.update(recoveries=totals["recoveries"], lost_steps=totals["lost_steps"],
                            checkpoint_stall_mean_seconds=train.get("checkpoint_stall_mean_seconds", 0.0))
             if train.get("job_wall_seconds"):  # badput by category, as a fraction of the job's wall time

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -7,8 +8,9 @@ from trainer.config import load_config
 from trainer.data import tokenize_files
 
 # Small enough for 2 CPU ranks in seconds; still the real model, FSDP2, gloo and DCP.
+# Straggler reports every 5 steps: every clean run of the suite is a check for false positives (the audit below).
 FAST_TRAINING = ["--training.batch_size=4", "--training.seq_len=32", "--training.warmup_steps=2",
-                 "--training.log_every=2", "--eval.max_batches=4"]
+                 "--training.log_every=2", "--eval.max_batches=4", "--resilience.straggler_interval=5"]
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +44,39 @@ def trained_run(tmp_path_factory, token_dir):
                           "--checkpoint.interval_steps=4")
     result = run_local_training(cfg, token_dir)
     return cfg, result
+
+
+AUDIT = "straggler-audit.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def no_straggler_in_clean_runs(request, tmp_path, tmp_path_factory):
+    """After each test: every run folder it trained in without a straggler drill reported no straggler. The
+    reports it saw are added to the session's audit (printed at the end: the false-positive count)."""
+    yield
+    audit = tmp_path_factory.getbasetemp() / AUDIT
+    for events_dir in tmp_path.rglob("events"):
+        records = [json.loads(line) for path in events_dir.glob("rank-*.jsonl")
+                   for line in path.read_text().splitlines() if line.strip().startswith("{")]
+        if any(r["event"] == "fault" and r.get("fault_type") == "straggler" for r in records):
+            continue
+        reports = [r for r in records if r["event"] == "straggler_report"]
+        named = [r for r in records if r["event"] == "straggler"]
+        lowest = min((r["lowest"]["score"] for r in reports if r["lowest"]), default=None)
+        with audit.open("a") as handle:
+            handle.write(json.dumps({"test": request.node.nodeid, "reports": len(reports), "named": len(named),
+                                     "lowest": lowest}) + "\n")
+        assert not named, f"a clean run named a straggler: {named}"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    base = config._tmp_path_factory.getbasetemp() if hasattr(config, "_tmp_path_factory") else None
+    audit = base / AUDIT if base is not None else None
+    if audit is None or not audit.is_file():
+        return
+    runs = [json.loads(line) for line in audit.read_text().splitlines()]
+    lows = [r["lowest"] for r in runs if r["lowest"] is not None]
+    terminalreporter.write_line(
+        f"straggler audit: {sum(r['reports'] for r in runs)} reports over {len(runs)} clean run folders, "
+        f"{sum(r['named'] for r in runs)} named a straggler; lowest relative score "
+        f"{min(lows):.2f}" if lows else "straggler audit: no reports")

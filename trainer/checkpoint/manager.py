@@ -26,6 +26,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -76,15 +77,12 @@ class CheckpointManager:
     def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, device: torch.device,
                  metadata: dict[str, Any], events: EventLog, memory: MemoryTier | None = None,
                  s3: S3Tier | None = None, save_point: Callable[[str, int], None] = _no_hook, fence=None):
-        self._directory = Path(directory)
-        self._cfg = cfg
-        self._rank = rank
-        self._metadata = metadata
-        self._events = events
+        self._directory, self._cfg, self._rank, self._metadata, self._events = Path(directory), cfg, rank, metadata, events
         self._memory = memory if cfg.enabled else None
         self._s3 = s3 if cfg.enabled else None
         self._save_point, self._fence = save_point, fence
         self.prefetch = None  # a RestorePrefetch of this start (trainer/checkpoint/prefetch.py), if any
+        self.phase = lambda tier: nullcontext()  # restore tiers as start-up phases (trainer.resilience.phases)
         self._backend = make_backend(cfg, device) if cfg.enabled else None
         self._last_saved_step: int | None = None
         self._interval_steps: int | None = None  # the planner's choice when checkpoint.interval_steps is auto
@@ -380,10 +378,12 @@ class CheckpointManager:
         path = disk_step = None
         if self._memory is not None:
             # Memory wins unless FSx holds something newer that verifies (FSx is hashed only then).
-            found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1)
+            with self.phase("restore_memory"):
+                found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1)
             if found is None and newest_committed is not None:
                 path, disk_step = self._find_latest(rejected)
-                found = self._memory.restore_newest(state, newer_than=disk_step - 1 if path is not None else -1)
+                with self.phase("restore_memory"):
+                    found = self._memory.restore_newest(state, newer_than=disk_step - 1 if path is not None else -1)
             if found is not None:
                 self._last_saved_step = disk_step if path is not None else newest_committed
                 return self._resumed(*found, None)
@@ -391,14 +391,16 @@ class CheckpointManager:
             path, disk_step = self._find_latest(rejected)
         source = "disk"
         if self._s3 is not None:
-            fetched = self._fetch_from_s3(newer_than=disk_step)
+            with self.phase("restore_s3"):
+                fetched = self._fetch_from_s3(newer_than=disk_step)
             if fetched is not None:
                 (path, disk_step), source = fetched, "s3"
         if path is None:
             return self._resumed(0, "none", None)
         try:
             prehashed = self.prefetch.verified_files(path) if self.prefetch is not None else set()
-            stats = load_checkpoint(state, path, optional=("rng",), prehashed=prehashed)  # verifies as it reads
+            with self.phase("restore_fsx"):
+                stats = load_checkpoint(state, path, optional=("rng",), prehashed=prehashed)  # verifies as it reads
         except CheckpointError as err:  # raised on every rank alike: DCP gathers every rank's read errors
             log.warning("skipping checkpoint %s (step %s): %s", path, disk_step, err)
             if self._rank == 0:

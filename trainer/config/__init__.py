@@ -15,8 +15,8 @@ from trainer.config.loader import (CONFIG_DIR, config_from_dict, config_from_yam
                                    parse_overrides, resolve_config_path)
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.rules import ConfigError, check_s3_uri
-from trainer.config.training import (MODEL_PRESETS, CheckpointConfig, DataConfig, FaultsConfig, ModelConfig,
-                                     ResilienceConfig, RunConfig, TrainingConfig)
+from trainer.config.resilience import FaultsConfig, ResilienceConfig
+from trainer.config.training import MODEL_PRESETS, CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
 from trainer.config.tree import Config
 
 __all__ = ["CONFIG_DIR", "Config", "ConfigError", "CheckpointConfig", "DataConfig", "EvalConfig", "FaultsConfig",

@@ -128,6 +128,10 @@ class KubernetesConfig:
     """Read throughput of the FSx file system in MB/s (SCRATCH_2: 200 MB/s per TiB of capacity), used to
     size how long a resume may take (resilience.initial_heartbeat_timeout=0)."""
 
+    progress_interval_seconds: float = 30.0
+    """How often rank 0 reports progress: the TrainJob's status.trainerStatus (Kubeflow Trainer >= 2.2, when its
+    server is in the pod's environment) and the run folder's trainer_status.json the train step logs."""
+
     runtime_name: str = "resilient-train-fsdp-nvrx"
     """ClusterTrainingRuntime the TrainJob references (manifests/base/trainer)."""
 
@@ -180,6 +184,7 @@ class KubernetesConfig:
     """Retries (with backoff) of the stage step and the launcher on the cluster."""
 
     def __post_init__(self) -> None:
+        require(self.progress_interval_seconds >= 1, "kubernetes.progress_interval_seconds", "must be >= 1 second")
         require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.namespace) is not None and len(self.namespace) <= 63,
                  "kubernetes.namespace", "must be a DNS-1123 label")
         require(bool(self.image.strip()), "kubernetes.image", "must not be empty")

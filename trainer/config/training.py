@@ -1,4 +1,5 @@
-"""The sections the trainer reads: run, data, model (with its presets), training, checkpoint, resilience, faults."""
+"""The sections the trainer reads: run, data, model (with its presets), training, checkpoint (resilience and
+faults: trainer.config.resilience)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config.rules import RUN_ID_PATTERN, ConfigError, check_s3_uri, require
-from trainer.resilience.faults import FAULT_TYPES, parse_schedule
+from trainer.config.rules import RUN_ID_PATTERN, check_s3_uri, require
 
 @dataclass
 class RunConfig:
@@ -324,126 +324,3 @@ class CheckpointConfig:
         require(not self.memory_interval_steps or self.memory_dir.startswith("/"), "checkpoint.memory_dir",
                 f"{self.memory_dir!r} must be an absolute path (a memory-backed folder such as /dev/shm/...)")
         require(0 <= self.background_nice <= 19, "checkpoint.background_nice", "must be in [0, 19]")
-
-
-@dataclass
-class ResilienceConfig:
-    """Recovery layers: ft_launcher (in-job restart) and a bounded relaunch of the whole job."""
-
-    in_process: bool = False
-    """Layer 1: NVRx in-process restart (inprocess.Wrapper) — a Python exception or hang is recovered without
-    ending the processes: the process group is rebuilt and state reloaded. Process deaths go to layer 2."""
-
-    in_process_max_restarts: int = 2
-    """In-process restarts in a row that make no progress (see max_restarts_without_progress) before a fault
-    escalates to the launcher (layer 2), whose process restart may clear what an in-process one cannot.
-    In-process restarts after which training progressed are not counted."""
-
-    collective_timeout: float = 5.0
-    """gloo collective timeout (seconds) under in-process restart: on gloo only this timeout releases a
-    rank blocked in a collective whose peer failed, so it must stay below soft_timeout."""
-
-    soft_timeout: float = 20.0
-    """In-process: seconds without progress (one ping per step) before a rank is declared hung."""
-
-    launcher: Literal["ft_launcher", "torchrun"] = "ft_launcher"
-    """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
-    while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
-
-    max_restarts_without_progress: int = 3
-    """The restart budget, for every layer (in-process, ft_launcher, the job relaunch, the TrainJob on EKS):
-    give up after this many recoveries in a row that did not advance the state a recovery reads (each
-    resumed from the same step as the attempt before it, or died before resuming) — a crash loop. A recovery
-    after which training progressed costs nothing, so a long job survives any number of faults that it
-    recovers from. Giving up exits with code 42 (trainer.resilience.budget.CRASH_LOOP_EXIT_CODE), which no
-    layer restarts, and writes the reason to <run_dir>/gave_up.json."""
-
-    max_restarts: int = -1
-    """ft_launcher's own restart count per launch: -1 (default) leaves in-job restarts to the progress rule
-    above; N >= 0 also caps them at N per launch (0 turns in-job restart off, as benchmarks comparing the
-    layers do), after which the job relaunch takes over."""
-
-    warm_start: bool = True
-    """Start every worker, and every restarted one, as a fork of a node-local server that has already imported
-    torch, transformers and the trainer (trainer.warm_start): a restart skips the imports (~4 s here)."""
-
-    initial_heartbeat_timeout: float = 0.0
-    """Seconds a worker may take from start to its first heartbeat: imports, process group (NCCL across every
-    rank), model build, checkpoint load from FSx and the first step. 0 derives it from the model's
-    checkpoint size, kubernetes.fsx_throughput_mbps and the GPU count (at least 120 s; see
-    trainer.launch_args.initial_heartbeat_timeout); too short, and ft_launcher kills every resume."""
-
-    heartbeat_timeout: float = 60.0
-    """Seconds without a heartbeat (one per step) after which ft_launcher declares a rank hung and restarts."""
-
-    rendezvous_timeout: float = 600.0
-    """Seconds a one-node TrainJob's c10d rendezvous waits for its node (rdzv-conf join_timeout); multi-node
-    jobs use resilience.replacement_timeout_seconds."""
-
-    replacement_timeout_seconds: float = 600.0
-    """Multi-node jobs: how long the surviving nodes wait in the rendezvous for a lost node's replacement
-    before they give up with exit code 43 and the whole job restarts (from FSx). It is the rendezvous's
-    join_timeout of every round, so it also bounds the first one (the nodes of a gang start together)."""
-
-    node_health_check_endpoint: str = ""
-    """NVRx >= 0.5: a node health check service (Unix socket, e.g. /var/run/nvhcd.sock) ft_launcher asks
-    before each rendezvous; empty = none (older NVRx ignores it, saying so)."""
-
-    gpu_health_interval_steps: int = 100
-    """Check the GPU through NVML (ECC, retired/remapped memory, critical XIDs) every this many steps;
-    0 turns it off. A no-op on machines without NVIDIA drivers."""
-
-    job_restarts: int = -1
-    """Relaunches of the whole local training job after its launcher failed: -1 (default) relaunches while the
-    progress rule allows (and while relaunches start training at all); N >= 0 caps them at N (0: none).
-    On EKS the JobSet's failure policy restarts the TrainJob's pods (see docs/restart-budget.md)."""
-
-    def __post_init__(self) -> None:
-        require(self.max_restarts_without_progress >= 1, "resilience.max_restarts_without_progress", "must be >= 1")
-        require(self.max_restarts >= -1, "resilience.max_restarts", "must be >= 0, or -1 for no count of its own")
-        require(self.job_restarts >= -1, "resilience.job_restarts", "must be >= 0, or -1 for no count of its own")
-        require(self.initial_heartbeat_timeout >= 0, "resilience.initial_heartbeat_timeout",
-                 "must be >= 0 (0 derives it from the checkpoint size)")
-        require(self.rendezvous_timeout > 0, "resilience.rendezvous_timeout", "must be > 0")
-        require(self.replacement_timeout_seconds > 0, "resilience.replacement_timeout_seconds", "must be > 0")
-        require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
-        require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
-        require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",
-                 f"must be in (0, resilience.soft_timeout={self.soft_timeout})")
-
-
-@dataclass
-class FaultsConfig:
-    """Fault injection for drills, tests and benchmarks; off unless a schedule is given. Always logged."""
-
-    schedule: str = ""
-    """Comma-separated faults, TYPE@STEP or TYPE@t=SECONDS with an optional :rank=R, e.g.
-    'sigkill@120:rank=1, hang@200'. Types: exception, hang, hang_in_collective, sigkill, exit (OOM-like,
-    code 137), slow_rank, checkpoint_writer_crash, node_loss (SIGKILL with the rank's node memory wiped; in a
-    multi-node job its whole node: launcher, workers, node memory),
-    corrupt_memory (SIGKILL with its newest memory copy corrupted), and the save drills kill_during_shard_write,
-    kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
-    sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not
-    fire it again."""
-
-    mtbf_steps: float = 0.0
-    """Add a seeded random schedule with this mean number of steps between faults (0: none)."""
-
-    random_types: str = "exception,sigkill"
-    """Fault types the random schedule draws from (comma-separated)."""
-
-    seed: int = 0
-    """Seed of the random schedule (fault steps, types and ranks)."""
-
-    slow_seconds: float = 5.0
-    """How long a slow_rank fault stalls its rank."""
-
-    def __post_init__(self) -> None:
-        require(self.mtbf_steps >= 0, "faults.mtbf_steps", "must be >= 0")
-        require(self.slow_seconds >= 0, "faults.slow_seconds", "must be >= 0")
-        for name in (t.strip() for t in self.random_types.split(",") if t.strip()):
-            require(name in FAULT_TYPES, "faults.random_types", f"{name!r} is not one of {list(FAULT_TYPES)}")
-        try:
-            parse_schedule(self.schedule)
-        except ValueError as err:
-            raise ConfigError(f"faults.schedule: {err}") from err

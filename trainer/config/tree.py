@@ -16,8 +16,8 @@ from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, M
 from trainer.config.rules import require
 from trainer.resilience.faults import parse_schedule, unfirable
 from trainer.run_dir import RunDir
-from trainer.config.training import (CheckpointConfig, DataConfig, FaultsConfig, ModelConfig, ResilienceConfig,
-                                     RunConfig, TrainingConfig)
+from trainer.config.resilience import FaultsConfig, ResilienceConfig
+from trainer.config.training import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
 
 @dataclass
 class Config:
@@ -49,6 +49,11 @@ class Config:
                         world_size=self.training.nproc_per_node * self.training.num_nodes,
                         checkpoints=self.checkpoint.enabled)
         require(why is None, "faults.schedule", f"{why}; fix or drop that item")
+        require(self.resilience.on_straggler == "report" or self.training.num_nodes > 1, "resilience.on_straggler",
+                "replace_node takes a slow node out of a multi-node job (training.num_nodes > 1); a one-node job "
+                "has no node to replace it with: use report")
+        require(self.resilience.on_straggler == "report" or self.resilience.straggler_interval > 0,
+                "resilience.on_straggler", "replace_node needs straggler detection (resilience.straggler_interval > 0)")
 
     # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
     @property

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.events import EventLog, read_events
+from trainer.events import JOB_ATTEMPT_ENV, RESTART_COUNT_ENV, EventLog, read_events
 from trainer.run_dir import RunDir, read_json, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,6 @@ log = logging.getLogger(__name__)
 CRASH_LOOP_EXIT_CODE = 42
 BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # set by the train step: its launch's start (epoch seconds)
 LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # restarts of this node's workers by its launcher
-JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
 
 
 class RestartBudgetExhausted(BaseException):

@@ -20,6 +20,7 @@ A schedule item that could never fire is refused when the schedule is parsed.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -28,14 +29,17 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from trainer.events import read_events
-from trainer.node_lifecycle import in_a_node_of_many, kill_this_node
+from trainer.resilience.phases import STARTUP_HANGS
+from trainer.run_dir import RunDir
+from trainer.node_lifecycle import NODE_LAUNCHER_PID_ENV, in_a_node_of_many, kill_this_node
 
 log = logging.getLogger(__name__)
 
 LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
-               "corrupt_memory")
+               "corrupt_memory", "straggler")
 # Save drill -> the sub-step of CheckpointManager.save it acts at (the manager calls save_point(point, step)).
 SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
               "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
@@ -44,7 +48,7 @@ SAVE_FAULTS = {**SAVE_KILLS, "checkpoint_writer_crash": "write"}
 # Sub-steps only rank 0 performs (the commit runs on rank 0's commit thread): a drill there on another rank
 # could never fire.
 RANK_0_SAVE_POINTS = ("before_manifest", "before_rename", "before_parent_fsync", "retention")
-FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS)
+FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS)
 REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
 
 _ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
@@ -84,6 +88,9 @@ def parse_schedule(text: str) -> list[Fault]:
         kind, rank = match["type"], int(match["rank"] or 0)
         if kind in SAVE_FAULTS and match["seconds"]:
             raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
+        if kind in STARTUP_HANGS and match["seconds"]:
+            raise ValueError(f"{raw!r}: a start-up hang fires in the first start after step STEP (0: the first "
+                             "start), so it takes TYPE@STEP")
         if kind in SAVE_FAULTS and SAVE_FAULTS[kind] in RANK_0_SAVE_POINTS and rank != 0:
             raise ValueError(f"{raw!r} could never fire: only rank 0 commits checkpoints (its {SAVE_FAULTS[kind]} "
                              "sub-step runs nowhere else); drop ':rank=...'")
@@ -125,10 +132,12 @@ class FaultInjector:
     """Fires this rank's scheduled faults; a no-op when the schedule is empty."""
 
     def __init__(self, faults: list[Fault], rank: int, events, fired_keys: set[str], run_started_at: float,
-                 slow_seconds: float, node_memory=None):
+                 slow_seconds: float, node_memory=None, straggler_factor: float = 1.5, straggling: bool = False):
         """node_memory: this rank's node-memory store (trainer.checkpoint.node_store.RankStore), for the
-        node_loss and corrupt_memory drills; None when the memory tier is off."""
-        mine = [f for f in faults if f.rank == rank and (f.repeat or f.key not in fired_keys)]
+        node_loss and corrupt_memory drills; None when the memory tier is off. straggling: a straggler fault
+        fired on this rank under this node's launcher (`straggling_here`): the rank is still slow."""
+        mine = [f for f in faults if f.rank == rank and (f.repeat or f.key not in fired_keys)
+                and f.type not in STARTUP_HANGS]  # those hang in start-up (trainer.resilience.phases)
         self.pending = [f for f in mine if f.type not in SAVE_FAULTS and not f.repeat]
         self.repeating = [f for f in mine if f.repeat]
         self.save_kills = [f for f in mine if f.type in SAVE_FAULTS]
@@ -138,6 +147,9 @@ class FaultInjector:
         self.run_started_at = run_started_at
         self.slow_seconds = slow_seconds
         self.node_memory = node_memory
+        self.straggler_factor = straggler_factor
+        # How many times slower than itself this rank runs (the loop stretches each section by it).
+        self.slowdown = straggler_factor if straggling else 1.0
         if mine:
             log.warning("fault injection armed on rank %d: %s", rank, ", ".join(f.key for f in mine))
 
@@ -181,7 +193,8 @@ class FaultInjector:
 
     def _fire(self, fault: Fault, step: int, key: str | None = None) -> None:
         key = key or fault.key
-        self.events.write("fault", fault_type=fault.type, key=key, step=step, pid=os.getpid())
+        self.events.write("fault", fault_type=fault.type, key=key, step=step, pid=os.getpid(),
+                          launcher_pid=os.environ.get(NODE_LAUNCHER_PID_ENV))
         log.warning("injecting fault %s after step %d on rank %d", key, step, self.rank)
         if fault.type == "exception":
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
@@ -210,6 +223,11 @@ class FaultInjector:
             dist.all_reduce(torch.zeros(1))  # no other rank joins: blocks inside the collective
             while True:  # reached only if the collective times out without raising
                 time.sleep(0.1)
+        if fault.type == "straggler":
+            self.slowdown = self.straggler_factor
+            self.events.write("fault_absorbed", fault_key=key, step=step,
+                              why=f"rank {self.rank} runs {self.straggler_factor:g}x slower from step {step} on, "
+                                  "until its node is replaced: straggler detection should name it")
         if fault.type == "slow_rank":
             time.sleep(self.slow_seconds)
             self.events.write("fault_absorbed", fault_key=key, step=step,
@@ -219,3 +237,50 @@ class FaultInjector:
 
 def fired_fault_keys(run_dir: Path) -> set[str]:
     return {e["key"] for e in read_events(run_dir, "fault")}
+
+
+def straggling_here(run_dir: Path, rank: int) -> bool:
+    """Whether a straggler fault fired on this rank under this node's launcher: the slow machine is still there
+    after an in-job restart, and gone once its node was replaced (a new launcher)."""
+    here = os.environ.get(NODE_LAUNCHER_PID_ENV)
+    return any(e["rank"] == rank and e.get("launcher_pid") == here
+               for e in read_events(run_dir, "fault") if e["fault_type"] == "straggler")
+
+
+def last_trained_step(run_dir: Path) -> int:
+    """The last step metrics.jsonl records (0: none), read from its end: the file grows with the run."""
+    path = RunDir(run_dir).metrics
+    if not path.is_file():
+        return 0
+    with path.open("rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, size - 8192))
+        lines = handle.read().splitlines()
+    if size > 8192:
+        lines = lines[1:]  # may start mid-line
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
+def startup_hang_drill(schedule: str, rank: int, run_dir: Path, events) -> Callable[[str], bool]:
+    """hang_in(phase) for the start-up watchdog (trainer.resilience.phases): True — after recording the fault —
+    when a hang_in_<phase> drill of this rank is due in that phase: not fired yet, and its step trained."""
+    drills = [f for f in parse_schedule(schedule) if f.type in STARTUP_HANGS and f.rank == rank]
+    if not drills:
+        return lambda phase: False
+    fired, reached = fired_fault_keys(run_dir), last_trained_step(run_dir)
+
+    def hang_in(phase: str) -> bool:
+        for fault in drills:
+            if phase in STARTUP_HANGS[fault.type] and fault.key not in fired and reached >= fault.step:
+                fired.add(fault.key)
+                events.write("fault", fault_type=fault.type, key=fault.key, step=reached, pid=os.getpid(),
+                             phase=phase, launcher_pid=os.environ.get(NODE_LAUNCHER_PID_ENV))
+                return True
+        return False
+
+    return hang_in

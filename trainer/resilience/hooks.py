@@ -1,7 +1,8 @@
 """The resilience hooks of one training process: one call per step, and the record of a recovery.
 
 The training loop touches this in one place, ``hooks.after_step(step)`` (ft_launcher heartbeat, in-process
-progress ping, GPU health check, fault injection), and reports its resume with ``hooks.note_resume(...)``.
+progress ping, GPU health check, straggler report, fault injection), times its step's sections with
+``hooks.section(name)`` (trainer.resilience.straggler) and reports its resume with ``hooks.note_resume(...)``.
 Everything here is a no-op when not needed: no heartbeats unless the process runs under ft_launcher, no
 faults unless a schedule is configured, no recovery record on a first launch.
 
@@ -22,8 +23,10 @@ from trainer.config import Config
 from trainer.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
 from trainer.resilience.budget import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV, restart_layer
-from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule
+from trainer.resilience.failures import explain_restarts
+from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule, straggling_here
 from trainer.resilience.health import GpuHealth, efa_memlock_check
+from trainer.resilience.straggler import StragglerDetector
 from trainer.run_dir import RunDir, read_jsonl
 from trainer.worker_clock import worker_started_at
 
@@ -32,28 +35,35 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """ft_launcher's rank monitor client when the process runs under ft_launcher; otherwise nothing."""
+    """ft_launcher's rank monitor client when the process runs under ft_launcher; otherwise nothing.
+
+    It connects at the first beat, not before: NVRx 0.4.1's rank monitor aborts for good (and refuses every
+    later heartbeat of the node's workers) when a restarted worker connects and dies before its first
+    heartbeat (rank_monitor_state_machine: connection lost in HANDLING_START -> ABORTED). Start-up before the
+    first step is watched by the phase watchdog (trainer.resilience.phases) instead."""
 
     def __init__(self) -> None:
         self.client = nvrx_compat.rank_monitor_client() if nvrx_compat.under_ft_launcher() else None
-        if self.client is not None:
-            self.client.init_workload_monitoring()
+        self._connected = False
 
     def beat(self) -> None:
         if self.client is not None:
+            if not self._connected:
+                self.client.init_workload_monitoring()
+                self._connected = True
             self.client.send_heartbeat()
 
     def close(self) -> None:
-        if self.client is not None:
+        if self.client is not None and self._connected:
             self.client.shutdown_workload_monitoring()
-            self.client = None
+        self.client = None
 
 
 class ResilienceHooks:
     def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
                  telemetry=None, node_memory=None):
         self.cfg = cfg
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self.events = events
         self.in_process = in_process
         # For an in-process restart the "process" that restarts is the attempt, not the OS process.
@@ -78,7 +88,11 @@ class ResilienceHooks:
                         ", ".join(late))
         self.injector = FaultInjector(faults, rank, events, fired_fault_keys(cfg.run_dir),
                                       run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds,
-                                      node_memory=node_memory)
+                                      node_memory=node_memory, straggler_factor=cfg.faults.straggler_factor,
+                                      straggling=straggling_here(cfg.run_dir, rank))
+        self.stragglers = StragglerDetector(cfg, rank=rank, world_size=world_size, device=device, events=events,
+                                            telemetry=telemetry, slowdown=lambda: self.injector.slowdown)
+        self.section = self.stragglers.section  # the loop's timed sections: with hooks.section("data"): ...
         self._resume: dict[str, Any] | None = None
         self._first_step_done = False
 
@@ -122,6 +136,7 @@ class ResilienceHooks:
         self.heartbeat.beat()
         self.ping()
         self.gpu_health.maybe_check(step)
+        self.stragglers.after_step(step)
         if not self._first_step_done:
             self._first_step_done = True
             if self.rank == 0 and self.is_restart:
@@ -173,13 +188,18 @@ class ResilienceHooks:
             "recovery_seconds": (now - fault_time) if fault_time else None,
             "first_step": step,
         }
+        # Which rank failed first and how, from the ranks' own records (trainer.resilience.failures): the restart
+        # this recovery comes from, and any restarts before it that failed in start-up.
+        *earlier, last = explain_restarts(self.cfg.run_dir, self.process_started_at, self.world_size)
+        record.update(last, earlier_causes=[found["cause"] for found in earlier])
         self.events.write("recovery", **record)
         if self.telemetry is not None:
             self.telemetry.observe_recovery(mechanism)
-        log.warning("recovered from %s (rank %s, step %s) by %s: reloaded step %d, lost %s steps, %.1f s",
-                    record["fault_type"], record["fault_rank"], record["fault_step"], mechanism,
-                    record["reloaded_step"], record["lost_steps"], record["recovery_seconds"] or float("nan"))
+        log.warning("recovered by %s: reloaded step %d, lost %s steps, %.1f s — %s", mechanism,
+                    record["reloaded_step"], record["lost_steps"], record["recovery_seconds"] or float("nan"),
+                    record["cause"])
 
     def close(self) -> None:
         self.heartbeat.close()
+        self.stragglers.close()
 

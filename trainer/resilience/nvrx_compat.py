@@ -235,3 +235,39 @@ def in_process_wrapper(*, store_port: int, soft_timeout: float, on_cuda: bool):
     finally:
         if hidden is not None:
             os.environ["LOCAL_RANK"] = hidden
+
+
+# -- straggler detection ------------------------------------------------------------------------------
+
+
+# The straggler package moved: 0.4.1 has nvidia_resiliency_ext.straggler, newer versions
+# nvidia_resiliency_ext.attribution.straggler; Detector, Report, ReportGenerator and Statistic are the same there.
+STRAGGLER_PACKAGES = ("nvidia_resiliency_ext.attribution.straggler", "nvidia_resiliency_ext.straggler")
+
+
+def straggler_package():
+    """NVRx's straggler package (its Detector, Report, Statistic), or None where NVRx has none."""
+    for name in STRAGGLER_PACKAGES:
+        try:
+            return importlib.import_module(name)  # optional (see the module's docstring)
+        except ImportError:
+            continue
+    return None
+
+
+def straggler_report_generator(node_name: str):
+    """NVRx's ReportGenerator, gathering every rank's scores on rank 0 over the default process group. It needs
+    no CUDA (it all-reduces on the backend's device), unlike the Detector that feeds it on GPUs."""
+    package = straggler_package()
+    reporting = importlib.import_module(f"{package.__name__}.reporting")  # optional (see the module's docstring)
+    return reporting.ReportGenerator(scores_to_compute=["relative_perf_scores", "individual_perf_scores"],
+                                     gather_on_rank0=True, node_name=node_name)
+
+
+def straggler_detector(node_name: str):
+    """NVRx's Detector (CUDA only: CUPTI kernel timing, torch.cuda.synchronize before each report), initialized
+    to report when asked (generate_report) rather than on its own clock."""
+    detector = straggler_package().Detector
+    detector.initialize(scores_to_compute="all", gather_on_rank0=True, profiling_interval=1,
+                        report_time_interval=1e9, node_name=node_name)
+    return detector

@@ -1,0 +1,96 @@
+"""One sentence per restart (trainer.resilience.failures) and the start-up watchdog (trainer.resilience.phases),
+from records written the way ranks write them."""
+
+import threading
+import time
+
+import pytest
+
+from trainer.events import EventLog
+from trainer.resilience.failures import explain_restarts, is_lost_peer, record_failure
+from trainer.resilience.phases import DEFAULT_STARTUP_TIMEOUTS, PhaseWatchdog, parse_startup_timeouts
+
+GLOO_PEER_GONE = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                              "[127.0.0.1]:3733. This is typically caused by a remote worker crashing.")
+
+
+def test_the_first_rank_to_fail_is_named_and_the_others_counted(tmp_path):
+    before = time.time()
+    record_failure(tmp_path, 2, ValueError("bad batch at step 7: NaN in the logits"), "train", 7)
+    for rank in (0, 1, 3):
+        record_failure(tmp_path, rank, GLOO_PEER_GONE, "train", 7)
+    EventLog(tmp_path, 3).write("rank_failed", how="signal", signal="SIGTERM", message="stopped by SIGTERM",
+                                phase="train", step=None, secondary=True)
+    [found] = explain_restarts(tmp_path, time.time() + 1, world_size=4)
+    assert found["first_failed_rank"] == 2 and found["secondary_errors"] == 4
+    assert found["cause"] == ("rank 2 failed first: raised ValueError in training at step 7: bad batch at step 7: "
+                              "NaN in the logits; 3 other rank(s) failed after it (lost peer, stopped by the launcher)")
+    assert found["silent_ranks"] == [] and before < time.time()
+
+
+def test_a_rank_killed_without_a_word_is_found_by_its_silence(tmp_path):
+    for rank in (0, 2, 3):
+        record_failure(tmp_path, rank, GLOO_PEER_GONE, "train", 12)
+    [found] = explain_restarts(tmp_path, time.time() + 1, world_size=4)
+    assert found["first_failed_rank"] == 1 and "ended without a record of its own" in found["cause"]
+    assert "3 other rank(s) failed after it (lost peer)" in found["cause"]
+
+
+def test_each_failed_attempt_gets_its_sentence_and_a_drill_reads_as_such(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # the attempt every event is stamped with
+    EventLog(tmp_path, 1).write("fault", fault_type="sigkill", key="sigkill@30:rank=1", step=30)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")  # the restart after it hangs in its start-up
+    EventLog(tmp_path, 1).write("hang", phase="restore_fsx", seconds=61.2, timeout_seconds=60.0, step=None)
+    record_failure(tmp_path, 0, GLOO_PEER_GONE, "restore_fsx", 0)
+    assert [found["cause"] for found in explain_restarts(tmp_path, time.time() + 1, world_size=2)] == [
+        "rank 1 failed first: was killed by SIGKILL after step 30 (drill sigkill@30:rank=1)",
+        "rank 1 failed first: hung in start-up phase restore_fsx (no progress for 61 s, timeout 60 s); "
+        "1 other rank(s) failed after it (lost peer)"]
+    # Records before the last recovery were explained by it.
+    EventLog(tmp_path, 0).write("recovery", fault_key=None)
+    [found] = explain_restarts(tmp_path, time.time() + 1, world_size=2)
+    assert found["cause"].startswith("no rank recorded a failure")
+
+
+def test_peer_errors_are_secondary_and_own_errors_are_not():
+    assert is_lost_peer(GLOO_PEER_GONE)
+    assert is_lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not is_lost_peer(ValueError("loss is NaN at step 7"))
+    assert not is_lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
+def test_the_watchdog_names_a_phase_past_its_timeout_and_not_one_left_in_time():
+    hung = []
+    fired = threading.Event()
+    watchdog = PhaseWatchdog({"model_build": 0.3, "first_step": 0.3},
+                             on_hang=lambda phase, seconds, timeout: (hung.append((phase, timeout)), fired.set()),
+                             poll_seconds=0.05)
+    with watchdog.phase("model_build"):
+        time.sleep(0.1)  # in time
+    time.sleep(0.4)
+    assert hung == []
+    watchdog.enter("first_step")
+    assert fired.wait(5) and hung == [("first_step", 0.3)]
+    watchdog.close()
+
+
+def test_a_restore_tier_inside_first_step_has_its_own_clock():
+    hung = []
+    watchdog = PhaseWatchdog({"first_step": 0.5, "restore_fsx": 2.0},
+                             on_hang=lambda phase, seconds, timeout: hung.append(phase), poll_seconds=0.05)
+    watchdog.enter("first_step")
+    with watchdog.phase("restore_fsx"):
+        time.sleep(0.8)  # longer than first_step's timeout: the tier's own clock runs
+    assert hung == [] and watchdog.current_phase == "first_step"
+    time.sleep(0.3)  # first_step's clock started again after the tier
+    assert hung == []
+    time.sleep(0.5)
+    assert hung == ["first_step"]
+    watchdog.close()
+
+
+def test_startup_timeouts_override_the_defaults_by_name():
+    timeouts = parse_startup_timeouts("model_build=5, restore_fsx=7.5")
+    assert timeouts == {**DEFAULT_STARTUP_TIMEOUTS, "model_build": 5.0, "restore_fsx": 7.5}
+    with pytest.raises(ValueError, match="PHASE one of"):
+        parse_startup_timeouts("restore=5")

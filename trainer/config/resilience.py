@@ -1,0 +1,170 @@
+"""The sections of recovery: the restart layers, straggler detection, start-up watchdogs, and fault drills."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from trainer.config.rules import ConfigError, require
+from trainer.resilience.faults import FAULT_TYPES, parse_schedule
+from trainer.resilience.phases import parse_startup_timeouts
+
+
+@dataclass
+class ResilienceConfig:
+    """Recovery layers: ft_launcher (in-job restart) and a bounded relaunch of the whole job."""
+
+    in_process: bool = False
+    """Layer 1: NVRx in-process restart (inprocess.Wrapper) — a Python exception or hang is recovered without
+    ending the processes: the process group is rebuilt and state reloaded. Process deaths go to layer 2."""
+
+    in_process_max_restarts: int = 2
+    """In-process restarts in a row that make no progress (see max_restarts_without_progress) before a fault
+    escalates to the launcher (layer 2), whose process restart may clear what an in-process one cannot.
+    In-process restarts after which training progressed are not counted."""
+
+    collective_timeout: float = 5.0
+    """gloo collective timeout (seconds) under in-process restart: on gloo only this timeout releases a
+    rank blocked in a collective whose peer failed, so it must stay below soft_timeout."""
+
+    soft_timeout: float = 20.0
+    """In-process: seconds without progress (one ping per step) before a rank is declared hung."""
+
+    launcher: Literal["ft_launcher", "torchrun"] = "ft_launcher"
+    """ft_launcher restarts the workers after a crash, SIGKILL, OOM-style exit or hang (missed heartbeats)
+    while keeping the launcher and rendezvous; torchrun has no hang detection (baseline)."""
+
+    max_restarts_without_progress: int = 3
+    """The restart budget, for every layer (in-process, ft_launcher, the job relaunch, the TrainJob on EKS):
+    give up after this many recoveries in a row that did not advance the state a recovery reads (each
+    resumed from the same step as the attempt before it, or died before resuming) — a crash loop. A recovery
+    after which training progressed costs nothing, so a long job survives any number of faults that it
+    recovers from. Giving up exits with code 42 (trainer.resilience.budget.CRASH_LOOP_EXIT_CODE), which no
+    layer restarts, and writes the reason to <run_dir>/gave_up.json."""
+
+    max_restarts: int = -1
+    """ft_launcher's own restart count per launch: -1 (default) leaves in-job restarts to the progress rule
+    above; N >= 0 also caps them at N per launch (0 turns in-job restart off, as benchmarks comparing the
+    layers do), after which the job relaunch takes over."""
+
+    warm_start: bool = True
+    """Start every worker, and every restarted one, as a fork of a node-local server that has already imported
+    torch, transformers and the trainer (trainer.warm_start): a restart skips the imports (~4 s here)."""
+
+    initial_heartbeat_timeout: float = 0.0
+    """ft_launcher's --ft-initial-rank-heartbeat-timeout: seconds from a worker's connection to its rank monitor
+    to its first heartbeat. 0 derives it from the model's checkpoint size, kubernetes.fsx_throughput_mbps and
+    the GPU count (at least 120 s; see trainer.launch_args.initial_heartbeat_timeout). ft_launcher starts this
+    clock only when the worker connects, which it does at its first heartbeat (trainer.resilience.hooks.
+    Heartbeat): the start-up before it is bounded phase by phase by resilience.startup_timeouts."""
+
+    heartbeat_timeout: float = 60.0
+    """Seconds without a heartbeat (one per step) after which ft_launcher declares a rank hung and restarts."""
+
+    rendezvous_timeout: float = 600.0
+    """Seconds a one-node TrainJob's c10d rendezvous waits for its node (rdzv-conf join_timeout); multi-node
+    jobs use resilience.replacement_timeout_seconds."""
+
+    replacement_timeout_seconds: float = 600.0
+    """Multi-node jobs: how long the surviving nodes wait in the rendezvous for a lost node's replacement
+    before they give up with exit code 43 and the whole job restarts (from FSx). It is the rendezvous's
+    join_timeout of every round, so it also bounds the first one (the nodes of a gang start together)."""
+
+    node_health_check_endpoint: str = ""
+    """NVRx >= 0.5: a node health check service (Unix socket, e.g. /var/run/nvhcd.sock) ft_launcher asks
+    before each rendezvous; empty = none (older NVRx ignores it, saying so)."""
+
+    gpu_health_interval_steps: int = 100
+    """Check the GPU through NVML (ECC, retired/remapped memory, critical XIDs) every this many steps;
+    0 turns it off. A no-op on machines without NVIDIA drivers."""
+
+    startup_timeouts: str = ""
+    """Timeouts of the start-up phases, 'phase=seconds,...' over the defaults: rendezvous=900, process_group=600,
+    model_build=1200, restore_memory=300, restore_s3=7200, restore_fsx=3600, first_step=1200
+    (trainer.resilience.phases). A rank past one records a `hang` naming the phase and exits, so the restart
+    follows at once instead of at the end of the initial heartbeat timeout."""
+
+    straggler_interval: int = 50
+    """Every this many steps the ranks compare their section times (data, forward_backward, optimizer,
+    checkpoint_wait) and score each rank as NVRx's straggler Report does; 0 turns detection off."""
+
+    straggler_threshold: float = 0.75
+    """A rank whose relative score in a section (its median time against the fastest rank's; on GPU also
+    NVRx's kernel score) is below this is a straggler. NVRx's default."""
+
+    on_straggler: Literal["report", "replace_node"] = "report"
+    """report: a `straggler` event, the MLflow table, the Prometheus gauge, console and summary lines.
+    replace_node: also take the straggler's node out through the node-replacement path (multi-node jobs)
+    once it has been a straggler in resilience.straggler_patience reports in a row."""
+
+    straggler_patience: int = 3
+    """Reports in a row naming the same node before on_straggler=replace_node replaces it."""
+
+    job_restarts: int = -1
+    """Relaunches of the whole local training job after its launcher failed: -1 (default) relaunches while the
+    progress rule allows (and while relaunches start training at all); N >= 0 caps them at N (0: none).
+    On EKS the JobSet's failure policy restarts the TrainJob's pods (see docs/restart-budget.md)."""
+
+    def __post_init__(self) -> None:
+        require(self.max_restarts_without_progress >= 1, "resilience.max_restarts_without_progress", "must be >= 1")
+        require(self.max_restarts >= -1, "resilience.max_restarts", "must be >= 0, or -1 for no count of its own")
+        require(self.job_restarts >= -1, "resilience.job_restarts", "must be >= 0, or -1 for no count of its own")
+        require(self.initial_heartbeat_timeout >= 0, "resilience.initial_heartbeat_timeout",
+                 "must be >= 0 (0 derives it from the checkpoint size)")
+        require(self.rendezvous_timeout > 0, "resilience.rendezvous_timeout", "must be > 0")
+        require(self.replacement_timeout_seconds > 0, "resilience.replacement_timeout_seconds", "must be > 0")
+        require(self.heartbeat_timeout > 0, "resilience.heartbeat_timeout", "must be > 0")
+        require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
+        require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",
+                 f"must be in (0, resilience.soft_timeout={self.soft_timeout})")
+        try:
+            parse_startup_timeouts(self.startup_timeouts)
+        except ValueError as err:
+            raise ConfigError(f"resilience.startup_timeouts: {err}") from err
+        require(self.straggler_interval >= 0, "resilience.straggler_interval", "must be >= 0 (0: off)")
+        require(0 < self.straggler_threshold <= 1, "resilience.straggler_threshold", "must be in (0, 1]")
+        require(self.straggler_patience >= 1, "resilience.straggler_patience", "must be >= 1")
+
+
+@dataclass
+class FaultsConfig:
+    """Fault injection for drills, tests and benchmarks; off unless a schedule is given. Always logged."""
+
+    schedule: str = ""
+    """Comma-separated faults, TYPE@STEP or TYPE@t=SECONDS with an optional :rank=R, e.g.
+    'sigkill@120:rank=1, hang@200'. Types: exception, hang, hang_in_collective, sigkill, exit (OOM-like,
+    code 137), slow_rank (one pause), straggler (persistently slower: faults.straggler_factor),
+    hang_in_rendezvous / hang_in_process_group / hang_in_model_build / hang_in_restore / hang_in_first_step (a
+    hang in that start-up phase of the first start after step STEP; 0: the first start), checkpoint_writer_crash, node_loss (SIGKILL with the rank's node memory wiped; in a
+    multi-node job its whole node: launcher, workers, node memory),
+    corrupt_memory (SIGKILL with its newest memory copy corrupted), and the save drills kill_during_shard_write,
+    kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
+    sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not
+    fire it again."""
+
+    mtbf_steps: float = 0.0
+    """Add a seeded random schedule with this mean number of steps between faults (0: none)."""
+
+    random_types: str = "exception,sigkill"
+    """Fault types the random schedule draws from (comma-separated)."""
+
+    seed: int = 0
+    """Seed of the random schedule (fault steps, types and ranks)."""
+
+    slow_seconds: float = 5.0
+    """How long a slow_rank fault stalls its rank."""
+
+    straggler_factor: float = 1.5
+    """A straggler fault makes its rank this many times slower in every step from its step on, until the
+    rank's node is replaced (a new launcher): each section's time is stretched by this factor."""
+
+    def __post_init__(self) -> None:
+        require(self.mtbf_steps >= 0, "faults.mtbf_steps", "must be >= 0")
+        require(self.slow_seconds >= 0, "faults.slow_seconds", "must be >= 0")
+        require(self.straggler_factor > 1, "faults.straggler_factor", "must be > 1 (1.5: 50 % slower)")
+        for name in (t.strip() for t in self.random_types.split(",") if t.strip()):
+            require(name in FAULT_TYPES, "faults.random_types", f"{name!r} is not one of {list(FAULT_TYPES)}")
+        try:
+            parse_schedule(self.schedule)
+        except ValueError as err:
+            raise ConfigError(f"faults.schedule: {err}") from err

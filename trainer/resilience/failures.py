@@ -1,0 +1,129 @@
+"""Why a restart happened, in one sentence, from the ranks' own records.
+
+When a rank fails it records how, in its own events file (``rank_failed``), before it goes: the exception
+(type, message, start-up phase or training, step) — a peer's loss seen as a broken connection or a collective
+timeout is marked secondary —, a SIGTERM from the launcher tearing the job down (secondary), a replacement as
+a straggler. A start-up hang is the watchdog's ``hang`` record (trainer.resilience.phases), a drill the
+injector's ``fault``. A rank killed outright (SIGKILL, the OOM killer, a lost node) records nothing.
+
+``explain_restarts`` groups those records since the last recovery by attempt (every event carries its
+attempt: trainer.events.current_attempt) and says, per failed attempt, which rank failed first and how; the
+others' secondary errors are counted, not repeated. The launcher's log (four tracebacks of "Connection
+reset by peer") is not read: it cannot say which came first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+from trainer.events import EventLog, read_events
+
+log = logging.getLogger(__name__)
+
+# What a rank sees when another rank, not it, failed: its connection to the peer breaks, or a collective waits
+# past its timeout for a peer that is gone (gloo and NCCL wordings; torch's Dist*Error types).
+_LOST_PEER = re.compile(r"connection (reset|closed|refused)|broken pipe|socket closed|peer|timed out|timeout|"
+                        r"nccl.*(remote|abort|error)|recv.*fail|read.*fail", re.IGNORECASE)
+_LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "ConnectionResetError",
+                    "BrokenPipeError")
+# Fault drills as a sentence says how the rank failed.
+_DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKILL", "exit": "exited with code 137 "
+           "(as the OOM killer leaves it)", "hang": "hung (no heartbeat)", "hang_in_collective": "hung in a collective",
+           "node_loss": "lost its node", "corrupt_memory": "was killed by SIGKILL with its node memory corrupted"}
+FAILURE_EVENTS = ("fault", "rank_failed", "hang")
+MESSAGE_CHARS = 300
+
+
+def is_lost_peer(error: BaseException) -> bool:
+    """Whether an exception is what a rank sees when another rank failed (secondary), not a failure of its own."""
+    return type(error).__name__ in _LOST_PEER_TYPES or bool(_LOST_PEER.search(str(error)))
+
+
+def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, step: int | None) -> None:
+    """A rank's own record of the exception it fails with (never raises: the failure itself matters more). A
+    trainer whose run folder belongs to another launch (trainer.lease) records nothing there."""
+    if type(error).__name__ in ("LeaseLost", "RunFolderBusy"):
+        return
+    try:
+        EventLog(run_dir, rank).write("rank_failed", how="exception", error_type=type(error).__name__,
+                                      message=" ".join(str(error).split())[:MESSAGE_CHARS], phase=phase, step=step,
+                                      secondary=is_lost_peer(error))
+    except Exception:  # noqa: BLE001 - a full disk must not hide the original error
+        log.exception("could not record this rank's failure")
+
+
+def record_sigterm(run_dir: Path, rank: int, phase_of) -> None:
+    """On SIGTERM (the launcher stopping the job's workers after another failed), record it, then die of it as
+    before. Runs when the main thread next runs Python: a rank blocked inside a collective is killed without."""
+    def on_sigterm(signum, frame) -> None:
+        try:
+            EventLog(run_dir, rank).write("rank_failed", how="signal", signal="SIGTERM", message="stopped by SIGTERM",
+                                          phase=phase_of(), step=None, secondary=True)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _handled_fault_keys(run_dir: Path) -> set[str]:
+    return {e.get("fault_key") for e in read_events(run_dir) if e["event"] in ("fault_absorbed", "checkpoint_failed")}
+
+
+def _how(record: dict[str, Any]) -> str:
+    if record["event"] == "fault":
+        where = f" in start-up phase {record['phase']}" if record.get("phase") else f" after step {record['step']}"
+        return f"{_DRILLS.get(record['fault_type'], 'hung')}{where} (drill {record['key']})"
+    if record["event"] == "hang":
+        return (f"hung in start-up phase {record['phase']} (no progress for {record['seconds']:.0f} s, timeout "
+                f"{record['timeout_seconds']:.0f} s)")
+    if record.get("how") == "exception":
+        where = "in training" if record.get("phase") in (None, "train") else f"in start-up phase {record['phase']}"
+        step = f" at step {record['step']}" if record.get("step") is not None else ""
+        return f"raised {record['error_type']} {where}{step}: {record['message']}"
+    return record.get("message", record.get("how", "failed"))
+
+
+def explain_restarts(run_dir: Path, before: float, world_size: int) -> list[dict[str, Any]]:
+    """Why each restart since the last recovery happened, oldest first — one per failed attempt (start of the
+    ranks) that left records before `before` (usually one; more when restarts failed in start-up in a row).
+    Each: {cause: the sentence, first_failed_rank, first_failure: how, secondary_errors: count, silent_ranks}."""
+    events = read_events(run_dir)
+    since = max((e["time"] for e in events if e["event"] == "recovery" and e["time"] < before), default=0.0)
+    handled = _handled_fault_keys(run_dir)
+    records = [e for e in events if since < e["time"] < before and e["event"] in FAILURE_EVENTS
+               and not (e["event"] == "fault" and e["key"] in handled)]
+    attempts: dict[str, list[dict[str, Any]]] = {}
+    for record in records:  # in time order, so the attempts are too
+        attempts.setdefault(record.get("attempt", "?"), []).append(record)
+    return [_explain(found, world_size) for found in attempts.values()] or [_explain([], world_size)]
+
+
+def _explain(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
+    """One failed attempt's sentence from its ranks' records."""
+    primary = [e for e in records if not e.get("secondary")]
+    secondary = [e for e in records if e.get("secondary")]
+    silent = sorted(set(range(world_size)) - {e["rank"] for e in records}) if records else []
+    first = primary[0] if primary else None
+    if first is not None:
+        rank, how = first["rank"], _how(first)
+    elif silent:
+        rank, how = silent[0], ("ended without a record of its own: killed by a signal (SIGKILL, the OOM killer) "
+                                "or its node was lost")
+    elif secondary:
+        rank, how = secondary[0]["rank"], f"was the first to fail, with a peer's error: {_how(secondary[0])}"
+    else:
+        rank, how = None, "no rank recorded a failure (the whole job was stopped or its machine lost)"
+    others = [e for e in secondary if e is not first and e["rank"] != rank]
+    others_text = ""
+    if others:
+        kinds = sorted({"lost peer" if e.get("how") == "exception" else "stopped by the launcher" for e in others})
+        others_text = (f"; {len({e['rank'] for e in others})} other rank(s) failed after it "
+                       f"({', '.join(kinds)})")
+    cause = (f"rank {rank} failed first: {how}" if rank is not None else how) + others_text
+    return {"cause": cause, "first_failed_rank": rank, "first_failure": how,
+            "secondary_errors": len(others), "silent_ranks": silent if first is not None else silent[1:]}

@@ -1,0 +1,146 @@
+"""Start-up phases of a training process, each with a timeout: no silent hang before the first step.
+
+    watchdog = PhaseWatchdog(timeouts, on_hang=...)   # a thread; one per process
+    with watchdog.phase("model_build"):
+        build()                                        # hangs past its timeout: on_hang(phase, seconds), exit
+
+Phases, in order: ``rendezvous`` (joining the job's store and the peers: init_process_group), ``process_group``
+(the first collectives; NCCL builds its communicators here), ``model_build`` (model, shards, optimizer, data),
+``first_step`` (from there to the first step's end) and, inside it as phases of their own, the restore tiers
+``restore_memory`` (node memory and the peer replica), ``restore_s3`` (an S3 copy back onto FSx) and
+``restore_fsx`` (reading the FSx checkpoint).
+
+Without it a hang there is seen late or never: ft_launcher's rank monitor starts its initial-heartbeat clock
+only when the worker connects (NVRx 0.4.1 and >= 0.6 alike), and then says only "no heartbeat". With it the
+hung rank records the phase (a ``hang`` event) and exits with HANG_EXIT_CODE at once, which the launcher
+restarts like any crash.
+
+The ``hang_in_<phase>`` drills (``hang_in_restore`` for any restore tier) make a rank hang in that phase of
+the first start-up after step STEP was trained (0: the first start), once per run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+STARTUP_PHASES = ("rendezvous", "process_group", "model_build", "restore_memory", "restore_s3", "restore_fsx",
+                  "first_step")
+# Generous: each bounds one phase of the slowest legitimate start (a 1,000-GPU NCCL set-up, an 8B model's
+# checkpoint from FSx or S3); tests and drills pass short ones.
+DEFAULT_STARTUP_TIMEOUTS = {"rendezvous": 900.0, "process_group": 600.0, "model_build": 1200.0,
+                            "restore_memory": 300.0, "restore_s3": 7200.0, "restore_fsx": 3600.0,
+                            "first_step": 1200.0}
+# The drills: fault type -> the phases it hangs in.
+STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group": ("process_group",),
+                 "hang_in_model_build": ("model_build",),
+                 "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx"),
+                 "hang_in_first_step": ("first_step",)}
+HANG_EXIT_CODE = 124  # timeout(1)'s code: a hang, restarted like any other worker failure
+_phase = ["start"]  # the process's phase: the last start-up phase entered, "train" once start-up is over
+
+
+def current_phase() -> str:
+    """Where this process is: a start-up phase, or "train" (a failure's record names it)."""
+    return _phase[0]
+
+
+def parse_startup_timeouts(text: str) -> dict[str, float]:
+    """'phase=seconds,...' over the defaults; ValueError naming the bad item."""
+    timeouts = dict(DEFAULT_STARTUP_TIMEOUTS)
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in STARTUP_PHASES:
+            raise ValueError(f"{item!r} must look like PHASE=SECONDS with PHASE one of {list(STARTUP_PHASES)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not a number of seconds") from None
+        if not seconds > 0:
+            raise ValueError(f"{item!r}: the timeout must be > 0 seconds")
+        timeouts[name.strip()] = seconds
+    return timeouts
+
+
+class PhaseWatchdog:
+    """A thread that watches the phase the process is in; past the phase's timeout it calls on_hang(phase,
+    seconds, timeout), which records the hang and ends the process (it does not return)."""
+
+    def __init__(self, timeouts: dict[str, float], on_hang: Callable[[str, float, float], None],
+                 hang_in: Callable[[str], bool] = lambda phase: False, poll_seconds: float = 0.5):
+        """hang_in(phase): whether a drill makes this rank hang in the phase (it then sleeps there)."""
+        self.timeouts = timeouts
+        self._on_hang = on_hang
+        self._hang_in = hang_in
+        self._poll = poll_seconds
+        self._current: tuple[str, float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="startup-watchdog", daemon=True)
+        self._thread.start()
+
+    @property
+    def current_phase(self) -> str | None:
+        current = self._current
+        return current[0] if current else None
+
+    def enter(self, phase: str) -> None:
+        assert phase in self.timeouts, phase
+        self._current = (phase, time.monotonic())
+        _phase[0] = phase
+        if self._hang_in(phase):
+            log.warning("drill: hanging in start-up phase %s", phase)
+            while True:  # a real hang: no progress, no exception (the watchdog ends it)
+                time.sleep(0.1)
+
+    def leave(self) -> None:
+        self._current = None
+
+    @contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """A phase inside another (a restore tier inside first_step): the outer one goes on afterwards, its clock
+        started again (the inner phase's time is the inner phase's)."""
+        outer = self.current_phase
+        self.enter(phase)
+        try:
+            yield
+        finally:
+            if outer is None:
+                self.leave()
+            else:
+                self._current = (outer, time.monotonic())
+                _phase[0] = outer
+
+    def close(self) -> None:
+        self._stop.set()
+        self._current = None
+        _phase[0] = "train"
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll):
+            current = self._current
+            if current is None:
+                continue
+            phase, started = current
+            elapsed = time.monotonic() - started
+            if elapsed > self.timeouts[phase] and self._current is current:
+                self._on_hang(phase, elapsed, self.timeouts[phase])
+                return
+
+
+def exit_hung(events, rank: int, phase: str, elapsed: float, timeout: float, step: int | None) -> None:
+    """The on_hang of a training process: a `hang` event (the phase, this rank), then exit at once."""
+    log.error("rank %d hung in start-up phase %s: no progress for %.0f s (timeout %.0f s: "
+              "resilience.startup_timeouts); exiting so the launcher restarts now", rank, phase, elapsed, timeout)
+    try:
+        events.write("hang", phase=phase, seconds=elapsed, timeout_seconds=timeout, step=step, pid=os.getpid())
+    finally:
+        logging.shutdown()
+        os._exit(HANG_EXIT_CODE)
