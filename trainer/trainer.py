@@ -347,8 +347,9 @@ class Trainer:
         return self.step < self.cfg.training.num_steps
 
     def train(self) -> dict[str, Any]:
-        self.watchdog.enter("first_step")  # the resume's tiers are phases of their own inside it
-        self.resume()
+        with self.watchdog.phase("restore"):  # the tiers it reads are phases of their own inside it
+            self.resume()
+        self.watchdog.enter("first_step")
         started_at_step, started = self.step, time.perf_counter()
         with _MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
             while self.should_continue_training():

@@ -13,6 +13,7 @@ from components.tracking import Tracker
 from components.train.local import run_local_training
 from pipelines.console import TrainingProgress, print_summary
 from trainer.events import read_events
+from trainer.resilience.phases import STARTUP_PHASES
 
 pytestmark = pytest.mark.integration
 
@@ -74,9 +75,7 @@ HANGS = ("hang_in_rendezvous@0:rank=1, sigkill@4:rank=0, hang_in_process_group@4
 
 
 def test_a_hang_in_each_start_up_phase_is_ended_at_once_and_named(tmp_path, token_dir, training_config):
-    timeouts = ",".join(f"{phase}={PHASE_TIMEOUT}" for phase in ("rendezvous", "process_group", "model_build",
-                                                                  "restore_memory", "restore_s3", "restore_fsx",
-                                                                  "first_step"))
+    timeouts = ",".join(f"{phase}={PHASE_TIMEOUT}" for phase in STARTUP_PHASES)
     cfg = training_config(tmp_path, "hangs", "--training.num_steps=8", "--checkpoint.interval_steps=2",
                           f"--resilience.startup_timeouts={timeouts}", "--resilience.initial_heartbeat_timeout=120",
                           "--resilience.max_restarts_without_progress=8", f"--faults.schedule={HANGS}")

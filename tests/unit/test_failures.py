@@ -74,18 +74,18 @@ def test_the_watchdog_names_a_phase_past_its_timeout_and_not_one_left_in_time():
     watchdog.close()
 
 
-def test_a_restore_tier_inside_first_step_has_its_own_clock():
+def test_a_restore_tier_inside_restore_has_its_own_clock():
     hung = []
-    watchdog = PhaseWatchdog({"first_step": 0.5, "restore_fsx": 2.0},
+    watchdog = PhaseWatchdog({"restore": 0.5, "restore_fsx": 2.0},
                              on_hang=lambda phase, seconds, timeout: hung.append(phase), poll_seconds=0.05)
-    watchdog.enter("first_step")
+    watchdog.enter("restore")
     with watchdog.phase("restore_fsx"):
-        time.sleep(0.8)  # longer than first_step's timeout: the tier's own clock runs
-    assert hung == [] and watchdog.current_phase == "first_step"
-    time.sleep(0.3)  # first_step's clock started again after the tier
+        time.sleep(0.8)  # longer than restore's timeout: the tier's own clock runs
+    assert hung == [] and watchdog.current_phase == "restore"
+    time.sleep(0.3)  # restore's clock started again after the tier
     assert hung == []
     time.sleep(0.5)
-    assert hung == ["first_step"]
+    assert hung == ["restore"]
     watchdog.close()
 
 
@@ -93,4 +93,4 @@ def test_startup_timeouts_override_the_defaults_by_name():
     timeouts = parse_startup_timeouts("model_build=5, restore_fsx=7.5")
     assert timeouts == {**DEFAULT_STARTUP_TIMEOUTS, "model_build": 5.0, "restore_fsx": 7.5}
     with pytest.raises(ValueError, match="PHASE one of"):
-        parse_startup_timeouts("restore=5")
+        parse_startup_timeouts("restore_nvme=5")

@@ -80,7 +80,7 @@ class ResilienceConfig:
 
     startup_timeouts: str = ""
     """Timeouts of the start-up phases, 'phase=seconds,...' over the defaults: rendezvous=900, process_group=600,
-    model_build=1200, restore_memory=300, restore_s3=7200, restore_fsx=3600, first_step=1200
+    model_build=1200, restore=600, restore_memory=300, restore_s3=7200, restore_fsx=3600, first_step=1200
     (trainer.resilience.phases). A rank past one records a `hang` naming the phase and exits, so the restart
     follows at once instead of at the end of the initial heartbeat timeout."""
 

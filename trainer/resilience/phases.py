@@ -6,9 +6,9 @@
 
 Phases, in order: ``rendezvous`` (joining the job's store and the peers: init_process_group), ``process_group``
 (the first collectives; NCCL builds its communicators here), ``model_build`` (model, shards, optimizer, data),
-``first_step`` (from there to the first step's end) and, inside it as phases of their own, the restore tiers
-``restore_memory`` (node memory and the peer replica), ``restore_s3`` (an S3 copy back onto FSx) and
-``restore_fsx`` (reading the FSx checkpoint).
+``restore`` (choosing the copy to resume from: listings, the ranks' agreement) with, inside it as phases of
+their own, the tiers it reads — ``restore_memory`` (node memory and the peer replica), ``restore_s3`` (an S3
+copy back onto FSx), ``restore_fsx`` (reading the FSx checkpoint) —, and ``first_step`` (to its end).
 
 Without it a hang there is seen late or never: ft_launcher's rank monitor starts its initial-heartbeat clock
 only when the worker connects (NVRx 0.4.1 and >= 0.6 alike), and then says only "no heartbeat". With it the
@@ -30,12 +30,12 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-STARTUP_PHASES = ("rendezvous", "process_group", "model_build", "restore_memory", "restore_s3", "restore_fsx",
-                  "first_step")
+STARTUP_PHASES = ("rendezvous", "process_group", "model_build", "restore", "restore_memory", "restore_s3",
+                  "restore_fsx", "first_step")
 # Generous: each bounds one phase of the slowest legitimate start (a 1,000-GPU NCCL set-up, an 8B model's
 # checkpoint from FSx or S3); tests and drills pass short ones.
 DEFAULT_STARTUP_TIMEOUTS = {"rendezvous": 900.0, "process_group": 600.0, "model_build": 1200.0,
-                            "restore_memory": 300.0, "restore_s3": 7200.0, "restore_fsx": 3600.0,
+                            "restore": 600.0, "restore_memory": 300.0, "restore_s3": 7200.0, "restore_fsx": 3600.0,
                             "first_step": 1200.0}
 # The drills: fault type -> the phases it hangs in.
 STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group": ("process_group",),
@@ -105,7 +105,7 @@ class PhaseWatchdog:
 
     @contextmanager
     def phase(self, phase: str) -> Iterator[None]:
-        """A phase inside another (a restore tier inside first_step): the outer one goes on afterwards, its clock
+        """A phase inside another (a restore tier inside restore): the outer one goes on afterwards, its clock
         started again (the inner phase's time is the inner phase's)."""
         outer = self.current_phase
         self.enter(phase)
