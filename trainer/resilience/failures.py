@@ -70,10 +70,6 @@ def record_sigterm(run_dir: Path, rank: int, phase_of) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def _handled_fault_keys(run_dir: Path) -> set[str]:
-    return {e.get("fault_key") for e in read_events(run_dir) if e["event"] in ("fault_absorbed", "checkpoint_failed")}
-
-
 def _how(record: dict[str, Any]) -> str:
     if record["event"] == "fault":
         where = f" in start-up phase {record['phase']}" if record.get("phase") else f" after step {record['step']}"
@@ -94,7 +90,7 @@ def explain_restarts(run_dir: Path, before: float, world_size: int) -> list[dict
     Each: {cause: the sentence, first_failed_rank, first_failure: how, secondary_errors: count, silent_ranks}."""
     events = read_events(run_dir)
     since = max((e["time"] for e in events if e["event"] == "recovery" and e["time"] < before), default=0.0)
-    handled = _handled_fault_keys(run_dir)
+    handled = {e.get("fault_key") for e in events if e["event"] in ("fault_absorbed", "checkpoint_failed")}
     records = [e for e in events if since < e["time"] < before and e["event"] in FAILURE_EVENTS
                and not (e["event"] == "fault" and e["key"] in handled)]
     attempts: dict[str, list[dict[str, Any]]] = {}

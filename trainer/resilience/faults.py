@@ -239,12 +239,12 @@ def fired_fault_keys(run_dir: Path) -> set[str]:
     return {e["key"] for e in read_events(run_dir, "fault")}
 
 
-def straggling_here(run_dir: Path, rank: int) -> bool:
-    """Whether a straggler fault fired on this rank under this node's launcher: the slow machine is still there
-    after an in-job restart, and gone once its node was replaced (a new launcher)."""
+def straggling_here(fault_events: list[dict], rank: int) -> bool:
+    """Whether a straggler fault fired on this rank (its `fault` events given) under this node's launcher: the
+    slow machine is still there after an in-job restart, and gone once its node was replaced (a new launcher)."""
     here = os.environ.get(NODE_LAUNCHER_PID_ENV)
-    return any(e["rank"] == rank and e.get("launcher_pid") == here
-               for e in read_events(run_dir, "fault") if e["fault_type"] == "straggler")
+    return any(e["rank"] == rank and e.get("launcher_pid") == here and e["fault_type"] == "straggler"
+               for e in fault_events)
 
 
 def last_trained_step(run_dir: Path) -> int:

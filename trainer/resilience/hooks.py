@@ -24,7 +24,7 @@ from trainer.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
 from trainer.resilience.budget import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV, restart_layer
 from trainer.resilience.failures import explain_restarts
-from trainer.resilience.faults import FaultInjector, fired_fault_keys, parse_schedule, random_schedule, straggling_here
+from trainer.resilience.faults import FaultInjector, parse_schedule, random_schedule, straggling_here
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.resilience.straggler import StragglerDetector
 from trainer.run_dir import RunDir, read_jsonl
@@ -86,10 +86,11 @@ class ResilienceHooks:
         if late and rank == 0:
             log.warning("faults scheduled after the last step (%d) will not fire: %s", cfg.training.num_steps,
                         ", ".join(late))
-        self.injector = FaultInjector(faults, rank, events, fired_fault_keys(cfg.run_dir),
+        fired = read_events(cfg.run_dir, "fault")
+        self.injector = FaultInjector(faults, rank, events, {e["key"] for e in fired},
                                       run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds,
                                       node_memory=node_memory, straggler_factor=cfg.faults.straggler_factor,
-                                      straggling=straggling_here(cfg.run_dir, rank))
+                                      straggling=straggling_here(fired, rank))
         self.stragglers = StragglerDetector(cfg, rank=rank, world_size=world_size, device=device, events=events,
                                             telemetry=telemetry, slowdown=lambda: self.injector.slowdown)
         self.section = self.stragglers.section  # the loop's timed sections: with hooks.section("data"): ...
