@@ -1,5 +1,6 @@
-"""The chaos soak: the whole pipeline through the CLI, 30 faults of every injectable type on a seeded schedule
-spread over 400 steps on 2 ranks, and the MLflow tracking server killed and restarted while it trains.
+"""The chaos soak: the whole pipeline through the CLI, 30 faults of every loop and save type on a seeded
+schedule spread over 400 steps on 2 ranks, a hang in each start-up phase, and the MLflow tracking server killed
+and restarted while it trains.
 
 What a month-long job needs, in one run: every fault that training recovers from leaves the budget untouched
 (trainer.resilience.budget); every loss is bit-identical to a clean run's; every fault has a record; MLflow
@@ -20,6 +21,7 @@ from components.train.local import RUN_DIR_ENV, job_processes, run_local_trainin
 from trainer.config import load_config
 from trainer.events import read_events
 from trainer.resilience.faults import FAULT_TYPES, RANK_0_SAVE_POINTS, SAVE_FAULTS
+from trainer.resilience.phases import STARTUP_HANGS, STARTUP_PHASES
 from trainer.run_dir import read_jsonl
 
 pytestmark = pytest.mark.integration
@@ -28,21 +30,28 @@ NUM_STEPS = 400
 TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--training.seq_len=32",
             "--training.warmup_steps=5", "--training.log_every=50", "--checkpoint.interval_steps=5",
             "--local.demo_documents=200", "--eval.max_batches=4", "--resilience.heartbeat_timeout=8",
-            "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1"]
+            "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1",
+            # A start-up hang ends at its phase's timeout: short ones, still far above a normal phase here.
+            "--resilience.startup_timeouts=" + ",".join(f"{phase}=15" for phase in STARTUP_PHASES)]
+LOOP_AND_SAVE = tuple(kind for kind in FAULT_TYPES if kind not in STARTUP_HANGS)
 
 
 def seeded_schedule(seed: int = 2026, count: int = 30) -> str:
-    """count faults, every type at least twice, one every ~13 steps (a little jitter), ranks drawn; the
-    drills only rank 0 can fire (commit sub-steps) on rank 0."""
+    """count faults of the loop and save types, every one at least twice, one every ~13 steps (a little
+    jitter), ranks drawn; the drills only rank 0 can fire (commit sub-steps) on rank 0. Then a hang in each
+    start-up phase, spread over the run: each fires in the first start after its step (a restart that one of
+    the faults before it causes)."""
     rng = random.Random(seed)
-    kinds = [*FAULT_TYPES, *FAULT_TYPES][:count]
-    kinds += rng.sample(FAULT_TYPES, count - len(kinds))
+    kinds = [*LOOP_AND_SAVE, *LOOP_AND_SAVE][:count]
+    kinds += rng.sample(LOOP_AND_SAVE, count - len(kinds))
     rng.shuffle(kinds)
     items = []
     for index, kind in enumerate(kinds):
         step = 8 + index * (NUM_STEPS - 20) // count + rng.randrange(4)
         rank = 0 if SAVE_FAULTS.get(kind) in RANK_0_SAVE_POINTS else rng.randrange(2)
         items.append(f"{kind}@{step}:rank={rank}")
+    for index, kind in enumerate(STARTUP_HANGS):
+        items.append(f"{kind}@{40 + index * 70}:rank={rng.randrange(2)}")
     return ", ".join(items)
 
 
