@@ -11,7 +11,8 @@ Forwarded, each from its file in the run folder and each point with its own time
 - ``events/rank-N.jsonl`` — committed checkpoints (with the worst rank's loop wait, once every rank's stall
   is in), failed saves, faults (``fault``: 1 at its step), recoveries (their seconds and lost steps at the
   recovery's first step, the running count ``recoveries``, and the recovery table), straggler reports (the
-  count ``stragglers`` and ``straggler_lowest_score`` per report, and the straggler table), the planner's
+  count ``stragglers`` and ``straggler_lowest_score`` per report, and the straggler table: a row per streak
+  and per replacement), the planner's
   interval choices;
 - ``system/<node>.jsonl`` — each training node's system metrics as ``system/<node>/<metric>``;
 - ``trainer_status.json`` — rank 0's progress report (trainer.progress), as a line in this step's log.
@@ -115,7 +116,7 @@ class RunFolderForwarder:
                 self._recoveries += new_recoveries
                 self.log_recovery_table()
             self._log_progress()
-            new_stragglers = [e for e in events if e.get("event") == "straggler"]
+            new_stragglers = [e for e in events if _opens_a_streak(e)]
             if new_stragglers:
                 self._stragglers += new_stragglers
                 self._log_table(self._stragglers, STRAGGLER_TABLE)
@@ -183,7 +184,7 @@ class RunFolderForwarder:
                 self._note_stall(event)
             elif event.get("event") == "recovery":
                 self._recoveries.append(event)
-            elif event.get("event") == "straggler":
+            elif _opens_a_streak(event):
                 self._stragglers.append(event)
         self._recovery_count = len(self._recoveries)
 
@@ -230,6 +231,12 @@ class RunFolderForwarder:
                             "checkpoint_mb_per_second": commit["mb_per_second"] or 0.0})
         self._pending_commits = waiting
         return metric_rows(records)
+
+
+def _opens_a_streak(event: dict[str, Any]) -> bool:
+    """A straggler event the table lists: the first report of a streak, or one that acts (replace_node) — a
+    node slow for weeks is one row, not one per report (the per-report count goes to ``stragglers``)."""
+    return event.get("event") == "straggler" and (event["consecutive_reports"] == 1 or event["action"] != "report")
 
 
 def _cell(value: Any) -> Any:

@@ -156,8 +156,8 @@ class TrainingProgress:
                     f"{event['reload_source']}, {lost} steps lost, {seconds} to the next step"
                     + "".join(f"\n    cause: {cause}" for cause in [*event.get("earlier_causes", []), event.get("cause")]
                               if cause))
-        elif event["event"] == "straggler":
-            key = ("straggler", event.get("step"), event.get("straggler_rank"))
+        elif event["event"] == "straggler" and (event["consecutive_reports"] == 1 or event["action"] != "report"):
+            key = ("straggler", event.get("step"), event.get("straggler_rank"))  # a streak's start, a replacement
             line = (f"  ! straggler at step {event['step']}: rank {event['straggler_rank']} on {event['node']}, "
                     f"its work at {event['score']:.2f} of the fastest rank's, slowest in {event['section']} "
                     f"({event['consecutive_reports']} "

@@ -25,8 +25,9 @@ a wait costs no CPU time. A section less than MIN_GAP_SECONDS slower than the fa
 (timer noise on sections of microseconds), and a report is made only over a whole interval of steps (not
 over the few steps between a restart and the next report).
 
-Rank 0 writes a ``straggler_report`` event per report and a ``straggler`` event per straggler (rank, node,
-its slow sections and scores, reports in a row); every rank sets its Prometheus gauges. With
+Rank 0 writes a ``straggler_report`` event per report (the lowest step score, the stragglers' ranks) and a
+``straggler`` event per straggler (rank, node, its scores per section, reports in a row); every rank sets its
+Prometheus gauges (its own scores). With
 ``resilience.on_straggler=replace_node`` a node that is a straggler in ``straggler_patience`` reports in a
 row is taken out through the node-replacement path (trainer.node_lifecycle): its ranks record why and end
 the node; the job replaces it like a lost one.
@@ -224,7 +225,10 @@ class StragglerDetector:
         found = {**findings(report, self.threshold, step), "steps": steps}
         slow_nodes = {s["node"] for s in found["stragglers"]}
         self._streaks = {node: self._streaks.get(node, 0) + 1 for node in slow_nodes}
-        self.events.write("straggler_report", **found)
+        # Compact: the per-rank maps (thousands of ranks, every interval for weeks) stay out of the events file;
+        # each straggler's own scores are in its straggler event, every rank's in its Prometheus gauges.
+        self.events.write("straggler_report", step=step, steps=steps, threshold=self.threshold, ranks=len(
+            found["rank_to_node"]), lowest=found["lowest"], stragglers=[s["straggler_rank"] for s in found["stragglers"]])
         for straggler in found["stragglers"]:
             streak = self._streaks[straggler["node"]]
             action = "replace_node" if self.replace_nodes and streak >= self.patience else "report"
