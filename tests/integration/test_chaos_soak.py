@@ -7,6 +7,7 @@ What a month-long job needs, in one run: every fault that training recovers from
 shows the training while it runs, and after the outage holds exactly one point per metrics.jsonl line with
 nothing pending or refused; no process outlives the run."""
 
+import contextlib
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from components.evaluate.heldout import evaluate_checkpoint
@@ -140,7 +142,11 @@ def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
         assert summary["heldout_loss"] == heldout
     finally:
         if pipeline is not None and pipeline.poll() is None:  # a failed assertion must not leave it training
-            pipeline.kill()
+            # Its descendants first (the KFP task, the train step that would relaunch a killed job), then it.
+            descendants = psutil.Process(pipeline.pid).children(recursive=True)
+            for proc in [*descendants, psutil.Process(pipeline.pid)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
             pipeline.wait()
             for proc in job_processes(str(work / "fsx" / "runs" / "soak"), RUN_DIR_ENV):
                 proc.kill()
