@@ -257,13 +257,15 @@ class StragglerDetector:
 
     def _leave(self, found: dict[str, Any]) -> None:
         straggler = next(s for s in found["stragglers"] if s["node"] == self.node)
-        why = (f"replaced as a straggler: {straggler['section']} at {straggler['score']:.2f} of the fastest rank in "
-               f"{self.patience} reports in a row (resilience.on_straggler=replace_node)")
+        why = (f"replaced as a straggler: its work at {straggler['score']:.2f} of the fastest rank's (slowest in "
+               f"{straggler['section']}) in {self.patience} reports in a row (resilience.on_straggler=replace_node)")
+        if not in_a_node_of_many():  # started by hand without the node launcher: nothing to replace it with
+            log.error("%s, but this rank is not on a node of a multi-node job: reporting only", why)
+            return
+        # Recorded only when the node really goes: the record is what explains the restart that follows.
         self.events.write("rank_failed", how="straggler", message=why, step=found["step"], phase="train",
                           secondary=False)
-        if in_a_node_of_many():
-            kill_this_node(why)
-        log.error("%s, but this rank is not on a node of a multi-node job: reporting only", why)
+        kill_this_node(why)
 
     def close(self) -> None:
         if self._detector is not None:
