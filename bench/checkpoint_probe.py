@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.load import load_checkpoint
 from trainer.config import load_config
-from trainer.trainer import Trainer
+from trainer.job.trainer import Trainer
 
 
 def _local_tensors(state) -> list[torch.Tensor]:

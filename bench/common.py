@@ -14,7 +14,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipelines.demo_data import demo_files  # noqa: E402  (the project's root is on sys.path from here)
-from trainer.data import tokenize_files  # noqa: E402
+from trainer.data.shards import tokenize_files  # noqa: E402
 
 
 def demo_token_dir(scratch: Path, documents: int = 2000) -> Path:

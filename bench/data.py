@@ -1,4 +1,4 @@
-"""Tokenization benchmark: throughput per core and peak memory of trainer/data.py::tokenize_files, side by side.
+"""Tokenization benchmark: throughput per core and peak memory of trainer/data/shards.py::tokenize_files, side by side.
 
     .venv/bin/python bench/data.py                    # 40 MB and 160 MB JSONL corpora, byte and BPE, ~5 min
     .venv/bin/python bench/data.py --megabytes 8      # a quick check of the harness
@@ -35,7 +35,7 @@ from pathlib import Path
 from common import ROOT, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from pipelines.demo_data import generate_documents  # noqa: E402
-from trainer import logs  # noqa: E402
+from trainer.observe import logs  # noqa: E402
 
 log = logging.getLogger("bench.data")
 
@@ -59,11 +59,11 @@ def write_corpus(folder: Path, megabytes: float, files: int = 4) -> list[Path]:
 
 
 def _previous(files: list[Path], out: Path, val_fraction: float, tokenizer: str) -> None:
-    """trainer/data.py::tokenize_files as of commit 697ccd4 (the tokenizing part): every document held."""
+    """trainer/data/shards.py::tokenize_files as of commit 697ccd4 (the tokenizing part): every document held."""
     import numpy as np
 
-    from trainer.data import is_held_out, read_documents
-    from trainer.tokenizer import load_tokenizer
+    from trainer.data.shards import is_held_out, read_documents
+    from trainer.data.tokenizer import load_tokenizer
 
     loaded = load_tokenizer(tokenizer)
     texts = {"train": [], "val": []}
@@ -79,8 +79,8 @@ def _previous(files: list[Path], out: Path, val_fraction: float, tokenizer: str)
 
 def _library_batch(files: list[Path], tokenizer: str) -> float:
     """Seconds for the tokenizers library's encode_batch over every document, already in memory."""
-    from trainer.data import read_documents
-    from trainer.tokenizer import load_tokenizer
+    from trainer.data.shards import read_documents
+    from trainer.data.tokenizer import load_tokenizer
 
     documents = list(read_documents(files))
     loaded = load_tokenizer(tokenizer)
@@ -122,7 +122,7 @@ class _TreeRss:
 
 def measure(kind: str, corpus: Path, tokenizer: str, workers: int, out: Path) -> dict:
     """One measurement, in this process (run through a fresh interpreter by main)."""
-    from trainer.data import tokenize_files
+    from trainer.data.shards import tokenize_files
 
     files = sorted(corpus.glob("*.jsonl"))
     tree = _TreeRss() if workers > 1 else None  # sampling costs CPU: only where ru_maxrss misses the workers

@@ -5,7 +5,7 @@ simulator's prediction of each from the costs the runs measured (its calibration
     .venv/bin/python bench/goodput.py --steps 60 --mtbf 20     # quicker
 
 Configurations (same model, data, seed and fault schedule), named as the planner names them
-(trainer.planning.model.CONFIGURATIONS):
+(trainer.planning.goodput.CONFIGURATIONS):
 - sync+relaunch: synchronous FSx saves, no node memory; every fault relaunches the whole job;
 - async+ft_launcher: asynchronous FSx saves, no node memory; in-job restarts (state from FSx);
 - async+ft_launcher+memory+peer: the same with the node-memory tier and its peer replica (state from memory);
@@ -39,14 +39,14 @@ from pathlib import Path
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train.local import run_local_training  # noqa: E402
-from trainer import logs  # noqa: E402
+from trainer.observe import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.events import read_events  # noqa: E402
+from trainer.run.events import read_events  # noqa: E402
 from trainer.planning.measured import badput_breakdown, kept_metrics, measured_costs  # noqa: E402
-from trainer.planning.model import CONFIGURATION_NAMES, CONFIGURATIONS, Costs  # noqa: E402
+from trainer.planning.goodput import CONFIGURATION_NAMES, CONFIGURATIONS, Costs  # noqa: E402
 from trainer.planning.simulate import simulate  # noqa: E402
-from trainer.resilience.faults import random_schedule  # noqa: E402
-from trainer.run_dir import RunDir, read_jsonl  # noqa: E402
+from trainer.config.drills import random_schedule  # noqa: E402
+from trainer.run.run_dir import RunDir, read_jsonl  # noqa: E402
 
 log = logging.getLogger("bench.goodput")
 

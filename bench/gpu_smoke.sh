@@ -44,7 +44,7 @@ timeout 150 torchrun --standalone --nproc-per-node 1 -m trainer --data-dir "$OUT
 python3 - "$OUT" <<'PY'
 import json, sys, statistics
 from pathlib import Path
-from trainer.events import read_events
+from trainer.run.events import read_events
 out = Path(sys.argv[1])
 for mode in ("async", "sync"):
     run = out / "work" / "fsx" / "runs" / f"smoke-{mode}"

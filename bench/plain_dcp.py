@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer.config import load_config
-from trainer.trainer import Trainer
+from trainer.job.trainer import Trainer
 
 
 def main() -> int:

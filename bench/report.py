@@ -17,7 +17,7 @@ import sys
 from common import ROOT, machine  # noqa: E402  (bench/ is the script's folder)
 
 from pipelines.plan import PLOT_NODES, goodput_by_cluster_size, plot_goodput, restart_budget  # noqa: E402
-from trainer.planning.model import CONFIGURATIONS, Costs, make_plan  # noqa: E402
+from trainer.planning.goodput import CONFIGURATIONS, Costs, make_plan  # noqa: E402
 from trainer.planning.simulate import FailureModel, simulate_many  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -324,7 +324,7 @@ def goodput_section(g: dict) -> list[str]:
                   "faster than processes restart; on this machine the planner, fed these costs, ranks it accordingly."]
     lines += ["- The first calibration run missed by 4.6 points on async+ft_launcher: the simulator dropped a save "
               "in flight at every fault, but after an exception the trainer finishes its write before the process "
-              "exits (`trainer/cli.py`), so the run lost nothing where the simulation lost 10 steps. Modelled in both "
+              "exits (`trainer/job/cli.py`), so the run lost nothing where the simulation lost 10 steps. Modelled in both "
               "planner and simulator (a unit test pins it), the gap fell to the figure above.",
               "", "Figures as JSON: `bench/results/goodput.json`.", ""]
     return lines
@@ -355,7 +355,7 @@ def data_section(d: dict) -> list[str]:
     return [
         "## Tokenization — `bench/data.py`", "",
         "```bash", ".venv/bin/python bench/data.py      # 40 MB and 160 MB JSONL corpora, byte and BPE, ~3 min", "```", "",
-        "`trainer/data.py::tokenize_files` on demo-document JSONL corpora of "
+        "`trainer/data/shards.py::tokenize_files` on demo-document JSONL corpora of "
         f"{small:.0f} MB and {large:.0f} MB (1× and 4×), each measurement in a fresh process: the implementation "
         "before streaming (every document in memory, the HF byte tokenizer) as the baseline, the streaming one "
         "with 1 worker and one per core, a BPE tokenizer.json (8,192 tokens, trained here) against the tokenizers "

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from components import tracking
 from trainer.config import Config, config_from_yaml_text
-from trainer.run_dir import RunDir, read_json, write_json
+from trainer.run.run_dir import RunDir, read_json, write_json
 
 
 def resolve_config(config_json: str, overrides: list[str], kfp_job_id: str = "") -> Config:

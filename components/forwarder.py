@@ -15,7 +15,10 @@ Forwarded, each from its file in the run folder and each point with its own time
   and per replacement), the planner's
   interval choices;
 - ``system/<node>.jsonl`` — each training node's system metrics as ``system/<node>/<metric>``;
-- ``trainer_status.json`` — rank 0's progress report (trainer.progress), as a line in this step's log.
+- ``trainer_status.json`` — rank 0's progress report (trainer.observe.progress), as a line in this step's log.
+
+What each record means as a metric is components.run_metrics (the train step's report uses the same);
+this module is the thread, the read positions and the state across passes.
 
 Exactly once, through the spool (components.tracking): the forwarder's read positions (byte offsets of
 whole lines), and the commits it read that still wait for another rank's stall line, are saved with the rows
@@ -25,24 +28,19 @@ outage only delays delivery.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from pathlib import Path
 from typing import Any
 
+from components.run_metrics import (RECOVERY_TABLE, STRAGGLER_TABLE, CommitStalls, event_record, opens_a_streak,
+                                    system_rows, table)
 from components.tracking import Tracker, metric_rows
-from trainer.progress import progress_line
-from trainer.run_dir import RunDir, read_json
+from trainer.observe.progress import progress_line
+from trainer.run.run_dir import RunDir, read_json
+from trainer.run.tail import read_lines_before, read_new_lines
 
 log = logging.getLogger(__name__)
-
-RECOVERY_TABLE = "recovery_events.json"
-STRAGGLER_TABLE = "straggler_events.json"
-# Recovery fields logged as metrics at the recovery's first step.
-RECOVERY_METRICS = ("recovery_seconds", "lost_steps", "reload_seconds", "reinit_seconds",
-                    "detect_and_teardown_seconds", "first_step_seconds", "fsx_bytes_read", "restore_seconds",
-                    "restore_overlapped_seconds", "restore_gb_per_second")
 
 
 class RunFolderForwarder:
@@ -56,13 +54,10 @@ class RunFolderForwarder:
         self._lock = threading.Lock()  # one pass at a time (the thread's, the last one's)
         saved = tracker.forwarded_cursor()
         self.cursor: dict[str, int] = saved.get("offsets", {})  # file (relative to the run folder) -> bytes read
-        self._stalls: dict[int, dict[int, float]] = {}  # step -> rank -> loop wait, handoff (worst rank wins)
-        self._handoffs: dict[int, dict[int, float]] = {}
-        self._pending_commits: list[dict[str, Any]] = saved.get("pending_commits", [])  # read, waiting for stalls
+        self._commits = CommitStalls(saved.get("pending_commits", []))  # read, waiting for every rank's stall
         self._recoveries: list[dict[str, Any]] = []
         self._stragglers: list[dict[str, Any]] = []
         self._progress_seen: int | None = None
-        self._recovery_count = 0
         self._replayed_history = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -98,32 +93,31 @@ class RunFolderForwarder:
             metrics, cursor[self._key(self.run_dir.metrics)] = self._new_lines(self.run_dir.metrics)
             rows += metric_rows(metrics)
             events = []
-            for path in sorted(self.run_dir.events.glob("rank-*.jsonl")):
+            event_files = sorted(self.run_dir.events.glob("rank-*.jsonl"))
+            for path in event_files:
                 found, cursor[self._key(path)] = self._new_lines(path)
                 events += found
-            rows += self._event_rows(sorted(events, key=lambda e: e["time"]), final)
+            rows += self._event_rows(sorted(events, key=lambda e: e["time"]), ranks=len(event_files), final=final)
             for path in sorted(self.run_dir.system.glob("*.jsonl")):
                 samples, cursor[self._key(path)] = self._new_lines(path)
-                node = path.stem
-                rows += [[f"system/{node}/{key[len('system/'):]}", float(value), int(s["time"] * 1000),
-                          int(s["sample"])] for s in samples for key, value in s.items() if key.startswith("system/")]
+                rows += system_rows(path.stem, samples)
             new_recoveries = [e for e in events if e.get("event") == "recovery"]
             if rows or cursor != self.cursor:
                 # Commits read but waiting for a stall line go with the positions: a restarted forwarder has them.
-                self.tracker.forward(self.run, rows, {"offsets": cursor, "pending_commits": self._pending_commits})
+                self.tracker.forward(self.run, rows, {"offsets": cursor, "pending_commits": self._commits.pending})
                 self.cursor = cursor
             if new_recoveries:
                 self._recoveries += new_recoveries
                 self.log_recovery_table()
             self._log_progress()
-            new_stragglers = [e for e in events if _opens_a_streak(e)]
+            new_stragglers = [e for e in events if opens_a_streak(e)]
             if new_stragglers:
                 self._stragglers += new_stragglers
                 self._log_table(self._stragglers, STRAGGLER_TABLE)
             return len(rows)
 
     def _log_progress(self) -> None:
-        """The trainer's progress report (trainer.progress), in this step's log when it changed."""
+        """The trainer's progress report (trainer.observe.progress), in this step's log when it changed."""
         path = self.run_dir.trainer_status
         try:
             changed = path.stat().st_mtime_ns
@@ -140,108 +134,37 @@ class RunFolderForwarder:
 
     def _log_table(self, records: list[dict[str, Any]], artifact_file: str) -> None:
         if records:
-            columns = sorted({key for r in records for key in r})
-            self.tracker.log_table(self.run, data={c: [_cell(r.get(c)) for r in records] for c in columns},
-                                   artifact_file=artifact_file)
+            self.tracker.log_table(self.run, data=table(records), artifact_file=artifact_file)
 
     def _key(self, path: Path) -> str:
         return str(Path(path).relative_to(self.run_dir.path))
 
     def _new_lines(self, path: Path) -> tuple[list[dict[str, Any]], int]:
         """Whole lines appended since the cursor (a line still being written waits for the next pass)."""
-        start = self.cursor.get(self._key(path), 0)
-        if not path.is_file():
-            return [], start
-        with path.open("rb") as handle:
-            handle.seek(start)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        records = []
-        for line in data[:end].splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # torn by a process killed mid-write, then appended after: skipped
-                continue
-        return records, start + end
+        return read_new_lines(path, self.cursor.get(self._key(path), 0))
 
     def _replay_history(self) -> None:
-        """A restarted forwarder (a retried step) rebuilds what earlier passes knew — stalls seen, commits still
-        waiting for them, the recoveries of the table — from the lines before its cursor, without sending them."""
+        """A restarted forwarder (a retried step) rebuilds what earlier passes knew — stalls seen, the
+        recoveries and straggler streaks of the tables — from the lines before its cursor, without sending them
+        (the commits still waiting for stalls came back with the cursor)."""
         self._replayed_history = True
-        seen = []
-        for path in sorted(self.run_dir.events.glob("rank-*.jsonl")):
-            end = self.cursor.get(self._key(path), 0)
-            if end:
-                with path.open("rb") as handle:
-                    data = handle.read(end)
-                for line in data.splitlines():
-                    try:
-                        seen.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue
+        seen = [event for path in sorted(self.run_dir.events.glob("rank-*.jsonl"))
+                for event in read_lines_before(path, self.cursor.get(self._key(path), 0))]
         for event in sorted(seen, key=lambda e: e["time"]):
-            if event.get("event") == "checkpoint_stall":
-                self._note_stall(event)
-            elif event.get("event") == "recovery":
+            self._commits.note(event, replaying=True)
+            if event.get("event") == "recovery":
                 self._recoveries.append(event)
-            elif _opens_a_streak(event):
+            elif opens_a_streak(event):
                 self._stragglers.append(event)
-        self._recovery_count = len(self._recoveries)
 
-    def _note_stall(self, event: dict[str, Any]) -> None:
-        self._stalls.setdefault(event["step"], {})[event["rank"]] = event.get("loop_wait_seconds", 0.0)
-        self._handoffs.setdefault(event["step"], {})[event["rank"]] = event.get("handoff_seconds", 0.0)
-
-    def _event_rows(self, events: list[dict[str, Any]], final: bool) -> list[list]:
+    def _event_rows(self, events: list[dict[str, Any]], ranks: int, final: bool) -> list[list]:
         records: list[dict[str, Any]] = []
+        recoveries = len(self._recoveries)
         for event in events:
-            kind = event.get("event")
-            if kind == "checkpoint_stall":
-                self._note_stall(event)
-            elif kind == "checkpoint_committed":
-                self._pending_commits.append(event)
-            elif kind == "checkpoint_failed" and event["rank"] == 0:
-                records.append({"step": event["step"], "time": event["time"], "checkpoint_failed": 1})
-            elif kind == "fault":
-                records.append({"step": event["step"], "time": event["time"], "fault": 1})
-            elif kind == "recovery":
-                self._recovery_count += 1
-                record = {"step": event["first_step"], "time": event["time"], "recoveries": self._recovery_count}
-                record.update({k: event[k] for k in RECOVERY_METRICS if event.get(k) is not None})
+            self._commits.note(event)
+            recoveries += event.get("event") == "recovery"
+            record = event_record(event, recoveries)
+            if record is not None:
                 records.append(record)
-            elif kind == "straggler_report":  # per report: how many, and the slowest rank's lowest score
-                records.append({"step": event["step"], "time": event["time"], "stragglers": len(event["stragglers"]),
-                                **({"straggler_lowest_score": event["lowest"]["score"]} if event["lowest"] else {})})
-            elif kind == "checkpoint_interval_chosen" and event["rank"] == 0:
-                records.append({"step": event.get("step", 0), "time": event["time"],
-                                "checkpoint_interval_steps_chosen": event["interval_steps"]})
-        ranks = len(list(self.run_dir.events.glob("rank-*.jsonl")))
-        waiting = []
-        for commit in self._pending_commits:
-            stalls = self._stalls.get(commit["step"], {})
-            if len(stalls) < ranks and not final:
-                waiting.append(commit)  # another rank's stall line is on its way
-                continue
-            records.append({"step": commit["step"], "time": commit["time"],
-                            "checkpoint_loop_wait_seconds": max(stalls.values(), default=commit["blocking_seconds"]),
-                            "checkpoint_blocking_seconds": max(self._handoffs.get(commit["step"], {}).values(),
-                                                               default=commit["blocking_seconds"]),
-                            "checkpoint_background_seconds": commit["background_seconds"],
-                            "checkpoint_bytes": commit["bytes"],
-                            "checkpoint_mb_per_second": commit["mb_per_second"] or 0.0})
-        self._pending_commits = waiting
+        records += self._commits.ready(ranks, final)
         return metric_rows(records)
-
-
-def _opens_a_streak(event: dict[str, Any]) -> bool:
-    """A straggler event the table lists: the first report of a streak, or one that acts (replace_node) — a
-    node slow for weeks is one row, not one per report (the per-report count goes to ``stragglers``)."""
-    return event.get("event") == "straggler" and (event["consecutive_reports"] == 1 or event["action"] != "report")
-
-
-def _cell(value: Any) -> Any:
-    """A table cell MLflow's table view shows: lists (a recovery's fault keys) and mappings (a straggler's
-    section scores) as text."""
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
-    return ", ".join(map(str, value)) if isinstance(value, list) else value

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Iterator
 
 import requests
 
-from trainer.run_dir import RunDir, read_json, read_jsonl, write_atomic, write_json
+from trainer.run.run_dir import RunDir, read_json, read_jsonl, write_atomic, write_json
 
 log = logging.getLogger(__name__)
 

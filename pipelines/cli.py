@@ -38,10 +38,10 @@ from pipelines.pipeline import build_pipeline
 from pipelines.plan import add_arguments as add_plan_arguments
 from pipelines.plan import __doc__ as plan_doc
 from pipelines.plan import plan_command
-from trainer import logs
+from trainer.observe import logs
 from trainer.config import Config, ConfigError, load_config
-from trainer.planning.model import PlanError
-from trainer.run_dir import RunDir
+from trainer.planning.goodput import PlanError
+from trainer.run.run_dir import RunDir
 
 
 def stage_command(cfg: Config) -> int:

@@ -17,7 +17,6 @@ file is written either way. The summary (``print_summary``) is printed after the
 from __future__ import annotations
 
 import io
-import json
 import logging
 import re
 import sys
@@ -29,9 +28,11 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from pipelines.pipeline import DISPLAY_NAMES
-from trainer.events import read_events
-from trainer.logs import LOG_FORMAT
-from trainer.run_dir import RunDir
+from components.run_metrics import opens_a_streak
+from trainer.run.events import read_events
+from trainer.observe.logs import LOG_FORMAT
+from trainer.run.run_dir import RunDir
+from trainer.run.tail import read_new_lines
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([\w-]+)'")
@@ -113,20 +114,7 @@ class TrainingProgress:
             print(line, file=self._out, flush=True)
 
     def _new_metrics(self) -> list[dict[str, Any]]:
-        path = self._run_dir.metrics
-        if not path.is_file():
-            return []
-        with path.open() as handle:
-            handle.seek(self._offset)
-            chunk = handle.read()
-        complete = chunk[:chunk.rfind("\n") + 1]  # a line still being written is read next time
-        self._offset += len(complete.encode())
-        records = []
-        for line in complete.splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
+        records, self._offset = read_new_lines(self._run_dir.metrics, self._offset)
         return records
 
     def _show_step(self, record: dict[str, Any]) -> None:
@@ -156,7 +144,7 @@ class TrainingProgress:
                     f"{event['reload_source']}, {lost} steps lost, {seconds} to the next step"
                     + "".join(f"\n    cause: {cause}" for cause in [*event.get("earlier_causes", []), event.get("cause")]
                               if cause))
-        elif event["event"] == "straggler" and (event["consecutive_reports"] == 1 or event["action"] != "report"):
+        elif opens_a_streak(event):
             key = ("straggler", event.get("step"), event.get("straggler_rank"))  # a streak's start, a replacement
             line = (f"  ! straggler at step {event['step']}: rank {event['straggler_rank']} on {event['node']}, "
                     f"its work at {event['score']:.2f} of the fastest rank's, slowest in {event['section']} "

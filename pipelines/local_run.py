@@ -24,8 +24,8 @@ from pipelines.demo_data import DemoUploadError, upload_demo_data
 from pipelines.local_stack import LocalStackError, S3Server
 from pipelines.pipeline import build_pipeline
 from trainer.config import Config
-from trainer.data import DataError
-from trainer.run_dir import RunDir, read_json, write_json
+from trainer.data.shards import DataError
+from trainer.run.run_dir import RunDir, read_json, write_json
 
 
 def new_run_id() -> str:

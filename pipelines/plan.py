@@ -7,7 +7,7 @@ keeps, from a run's measured costs or from flags (trainer.planning).
     python -m pipelines plan ... --format json                              # {interval_seconds, interval_steps, configurations}
     python -m pipelines plan ... --plot build/goodput-vs-nodes.png --simulate 10
 
-A flag overrides what the run measured; what neither gives takes the default of trainer.planning.model.Costs
+A flag overrides what the run measured; what neither gives takes the default of trainer.planning.goodput.Costs
 (step time and checkpoint stall have none: give them or a run). Exit 2 with the field named for a bad value.
 """
 
@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainer.planning.model import CONFIGURATIONS, Costs, PlanError, Plan, make_plan
+from trainer.planning.goodput import CONFIGURATIONS, Costs, PlanError, Plan, make_plan
 from trainer.planning.simulate import FailureModel, simulate_many
 from trainer.planning.survival import job_survival, pod_restart_budget, simulate_survival
 

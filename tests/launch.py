@@ -5,7 +5,7 @@ import subprocess
 import uuid
 
 from components.train.local import JOB_TOKEN_ENV, launch_command
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 
 
 def start_launcher(cfg, token_dir, **env) -> tuple[subprocess.Popen, str]:

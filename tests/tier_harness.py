@@ -17,7 +17,7 @@ import xxhash
 
 from trainer.checkpoint.node_store import flatten
 from trainer.config import load_config
-from trainer.trainer import Trainer
+from trainer.job.trainer import Trainer
 
 
 def state_digest(trainer: Trainer) -> str:

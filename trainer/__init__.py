@@ -1,4 +1,4 @@
-"""FSDP2 training of Llama-architecture models, usable without KFP (the loop: trainer/trainer.py; the command line: trainer/cli.py)."""
+"""FSDP2 training of Llama-architecture models, usable without KFP (the loop: trainer/job/trainer.py; the command line: trainer/job/cli.py)."""
 
 import warnings
 

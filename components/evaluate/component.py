@@ -9,7 +9,7 @@ def evaluate_model(config_json: str, overrides: list, kfp_job_id: str, checkpoin
     # Imports inside: KFP runs this function's source alone in the task.
     from components.context import resolve_config
     from components.evaluate.step import run_evaluate
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     result = run_evaluate(resolve_config(config_json, overrides, kfp_job_id), checkpoint, data_dir)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.checkpoint.load import load_model_from_checkpoint
-from trainer.data import TokenBatches
-from trainer.tokenizer import load_tokenizer
+from trainer.data.batches import TokenBatches
+from trainer.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

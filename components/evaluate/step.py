@@ -13,8 +13,8 @@ from components.context import step_context, write_step_result
 from components.evaluate.heldout import evaluate_checkpoint, heldout_loss
 from components.evaluate.promotion import GateDecision, promote_if_better
 from trainer.config import Config
-from trainer.export import export_hf
-from trainer.run_dir import RunDir, write_json
+from trainer.checkpoint.export import export_hf
+from trainer.run.run_dir import RunDir, write_json
 
 
 def run_evaluate(cfg: Config, checkpoint: str, data_dir: str) -> dict[str, Any]:

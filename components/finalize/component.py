@@ -8,7 +8,7 @@ def finalize_run(config_json: str, overrides: list, kfp_job_id: str, status: Pip
     # Imports inside: KFP runs this function's source alone in the task.
     from components.context import resolve_config
     from components.finalize.step import run_finalize
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     run_finalize(resolve_config(config_json, overrides, kfp_job_id), status.state)

@@ -6,7 +6,7 @@ def prepare_run(config_json: str, overrides: list, kfp_job_id: str) -> str:
     # Imports inside: KFP runs this function's source alone in the task.
     from components.context import resolve_config
     from components.prepare.step import run_prepare
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     return run_prepare(resolve_config(config_json, overrides, kfp_job_id))["run_dir"]

@@ -11,7 +11,7 @@ from components import tracking
 from components.context import git_commit, tracker, write_step_result
 from components.stage.staging import not_writable_hint
 from trainer.config import Config
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

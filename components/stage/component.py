@@ -16,7 +16,7 @@ def fingerprint_data(config_json: str, overrides: list) -> NamedTuple("Outputs",
     from components.context import resolve_config
     from components.stage.staging import data_fingerprint
     from components.stage.step import staging_config_json
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     cfg = resolve_config(config_json, overrides, "fingerprint")
@@ -31,7 +31,7 @@ def stage_data(stage_config: str, data_fingerprint: str, staged: Output[Dataset]
 
     from components.context import resolve_config
     from components.stage.step import run_stage
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     result = run_stage(resolve_config(stage_config, [], "stage"), data_fingerprint, tokenize=False)
@@ -54,7 +54,7 @@ def tokenize_shard(group: str) -> str:
 
     from components.context import resolve_config
     from components.stage.step import run_tokenize_shard
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     item = json.loads(group)
@@ -69,7 +69,7 @@ def collect_shards(stage_config: str, data_fingerprint: str, shards: List[str], 
 
     from components.context import resolve_config
     from components.stage.step import run_collect_shards
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     with open(staged.path) as handle:
@@ -89,7 +89,7 @@ def record_stage(config_json: str, overrides: list, kfp_job_id: str, dataset: In
 
     from components.context import resolve_config
     from components.stage.step import run_record_stage
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     with open(dataset.path) as handle:

@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer.data import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, load_meta, shard_files,
-                          tokenize_files)
-from trainer.run_dir import write_json
-from trainer.tokenizer import load_tokenizer
+from trainer.data.shards import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, load_meta, shard_files, tokenize_files)
+from trainer.run.run_dir import write_json
+from trainer.data.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

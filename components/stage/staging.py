@@ -39,7 +39,7 @@ from tqdm import tqdm
 from components.stage.fsx import REPORT_DIR, fsx_client, stage_via_dra
 from components.stage.object_paths import BadKey, inside, map_objects
 from components.stage.shards import collect_shards, dataset_lock, plan_groups, tokenize_group
-from trainer.run_dir import write_json
+from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from components.context import step_context, write_step_result
 from components.stage.shards import collect_shards, dataset_lock, tokenize_group
 from components.stage.staging import STAGE_ERROR, STAGE_MANIFEST, StageError, stage_dataset
 from trainer.config import Config
-from trainer.run_dir import read_json, write_json
+from trainer.run.run_dir import read_json, write_json
 
 
 def staging_config_json(cfg: Config) -> str:

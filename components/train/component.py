@@ -12,7 +12,7 @@ def train_model(config_json: str, overrides: list, kfp_job_id: str, data_dir: st
 
     from components.context import resolve_config
     from components.train.step import run_train
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     try:

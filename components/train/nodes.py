@@ -5,7 +5,7 @@ every node, and a lost node replaced — the others keep running.
 
 Each node is ``python -m trainer.launcher`` with a node memory folder of its own
 (``<memory_dir>/<run_id>/node-<i>``) and ``PET_NODE_RANK=i``, as a TrainJob pod has. When a node's launcher
-ends, trainer.node_lifecycle says what follows: a lost node (the node_loss drill kills its launcher and
+ends, trainer.launch.node_lifecycle says what follows: a lost node (the node_loss drill kills its launcher and
 workers and wipes its memory) is replaced after ``local.node_replacement_delay_seconds`` by a new launcher
 with the same index, while the survivors' workers restart in-job and wait in the rendezvous; exit code 43 (a
 replacement did not come within resilience.replacement_timeout_seconds) restarts the whole job, 42 (the
@@ -25,14 +25,15 @@ from pathlib import Path
 
 import psutil
 
-from components.train.processes import (JOB_TOKEN_ENV, LaunchOutput, TrainingError, TrainingTimeout,
-                                        job_processes, launch_env, raise_for_exit)
+from trainer.env import JOB_TOKEN_ENV
+from components.train.processes import (LaunchOutput, TrainingError, TrainingTimeout, job_processes, launch_env, raise_for_exit)
 from trainer.config import Config
-from trainer.launch_args import trainer_command
-from trainer.node_lifecycle import NODE_RANK_ENV, Verdict, verdict
-from trainer.rendezvous_store import READY_LINE
+from trainer.launch.command import trainer_command
+from trainer.env import NODE_RANK_ENV
+from trainer.launch.node_lifecycle import Verdict, verdict
+from trainer.launch.rendezvous_store import READY_LINE
 from trainer.resilience.budget import attempt_history
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,13 @@ from collections import deque
 import psutil
 
 from trainer.config import Config
-from trainer.lease import GENERATION_ENV
-from trainer.resilience.budget import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV,
-                                       read_gave_up)
-from trainer.run_dir import RunDir
+from trainer.env import GENERATION_ENV, JOB_TOKEN_ENV, RUN_DIR_ENV
+from trainer.env import BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV
+from trainer.resilience.budget import read_gave_up
+from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-JOB_TOKEN_ENV = "RESILIENT_TRAIN_JOB_TOKEN"  # inherited by every process of one launch
-RUN_DIR_ENV = "RESILIENT_TRAIN_RUN_DIR"  # and the run folder it trains into (ps e, debugging, tests)
 
 
 # torch prefixes each rank's traceback lines with "[rankN]: ".

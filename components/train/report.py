@@ -7,17 +7,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.events import read_events
+from components.run_metrics import commit_record
+from trainer.run.events import read_events
 from trainer.planning.measured import badput_breakdown, kept_metrics, save_stalls
-from trainer.run_dir import RunDir, read_json
+from trainer.run.run_dir import RunDir, read_json
 
 read_metrics = kept_metrics  # per-step records, a replayed step's last record winning
 
 
 def training_report(run_dir: Path, started_at: float | None) -> dict[str, Any]:
     """Goodput, badput and recovery totals from the run folder alone, so both launchers (this machine, a
-    TrainJob) report the same thing: productive step seconds over the job's whole wall time, from started_at
-    (the launch; else the first process start) to the result (else now), and where the rest went."""
+    TrainJob) report the same thing: productive step seconds over the job's whole wall time, from the run's start
+    (trainer.run.events.run_started_at: started_at, the launch's, else the first process start) to the result
+    (else now), and where the rest went."""
     run_dir = RunDir(run_dir)
     finished_at = (read_json(run_dir.result) or {}).get("finished_at") or time.time()
     split = badput_breakdown(run_dir.path, started_at, finished_at)
@@ -31,15 +33,8 @@ def training_report(run_dir: Path, started_at: float | None) -> dict[str, Any]:
 
 
 def checkpoint_metric_records(run_dir: Path) -> list[dict[str, float]]:
-    """Per-checkpoint records for MLflow (worst rank): the loop's whole wait for the save (previous save, barrier,
-    hand-off), the hand-off alone, background time, size, speed."""
+    """Per-checkpoint records for MLflow (worst rank), as the live forwarder sends them (components.run_metrics)."""
     stalls = save_stalls(run_dir)
-    records = []
-    for event in read_events(run_dir, "checkpoint_committed"):
-        stall = stalls.get(event["step"], {})
-        records.append({"step": event["step"], "time": event["time"],
-                        "checkpoint_loop_wait_seconds": stall.get("loop_wait_seconds", event["blocking_seconds"]),
-                        "checkpoint_blocking_seconds": stall.get("handoff_seconds", event["blocking_seconds"]),
-                        "checkpoint_background_seconds": event["background_seconds"],
-                        "checkpoint_bytes": event["bytes"], "checkpoint_mb_per_second": event["mb_per_second"] or 0.0})
-    return records
+    return [commit_record(event, stalls.get(event["step"], {}).get("loop_wait_seconds"),
+                          stalls.get(event["step"], {}).get("handoff_seconds"))
+            for event in read_events(run_dir, "checkpoint_committed")]

@@ -20,10 +20,10 @@ from components.train.plots import training_plots
 from components.train.report import checkpoint_metric_records, read_metrics, training_report
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
 from trainer.config import Config
-from trainer.events import read_events
+from trainer.run.events import read_events
 from trainer.planning.measured import measured_costs
 from trainer.resilience.budget import read_gave_up
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

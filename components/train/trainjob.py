@@ -34,11 +34,13 @@ from kubernetes.client.exceptions import ApiException
 from components.train.local import JobCancelled, cancel_on_sigterm
 from components.train.report import training_report
 from trainer.config import Config
-from trainer.launch_args import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
-from trainer.lease import GENERATION_ENV, RunLease
-from trainer.resilience.budget import BUDGET_SINCE_ENV, read_gave_up
-from trainer.rendezvous_store import NODES_ENV as RENDEZVOUS_NODES_ENV
-from trainer.run_dir import RunDir, read_json, write_json
+from trainer.launch.command import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
+from trainer.env import GENERATION_ENV
+from trainer.run.lease import RunLease
+from trainer.env import BUDGET_SINCE_ENV
+from trainer.resilience.budget import read_gave_up
+from trainer.env import RENDEZVOUS_NODES_ENV as RENDEZVOUS_NODES_ENV
+from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def trainjob_name(run_id: str, attempt: int) -> str:
 
 
 def node_command(cfg: Config, data_dir: str, job_name: str) -> list[str]:
-    """What each node runs: the launcher (trainer.launch_args, as on one machine) over the shared config."""
+    """What each node runs: the launcher (trainer.launch.command, as on one machine) over the shared config."""
     return [*trainer_command(cfg, RunDir(cfg.run_dir).config, data_dir, job_name=job_name, python="python"),
             f"--training.prometheus_port={cfg.kubernetes.prometheus_port}"]
 

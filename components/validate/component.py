@@ -9,7 +9,7 @@ def validate_checkpoint(config_json: str, overrides: list, kfp_job_id: str, chec
     # Imports inside: KFP runs this function's source alone in the task.
     from components.context import resolve_config
     from components.validate.step import run_validate
-    from trainer import logs
+    from trainer.observe import logs
 
     logs.configure()
     result = run_validate(resolve_config(config_json, overrides, kfp_job_id), checkpoint)

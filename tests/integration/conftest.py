@@ -5,7 +5,7 @@ import pytest
 
 from pipelines.demo_data import demo_files
 from trainer.config import load_config
-from trainer.data import tokenize_files
+from trainer.data.shards import tokenize_files
 
 # Small enough for 2 CPU ranks in seconds; still the real model, FSDP2, gloo and DCP.
 # Straggler reports every 5 steps: every clean run of the suite is a check for false positives (the audit below).

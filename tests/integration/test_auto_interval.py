@@ -5,8 +5,8 @@ launch instead of being measured again."""
 import pytest
 
 from components.train.local import run_local_training
-from trainer.events import read_events
-from trainer.run_dir import RunDir
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

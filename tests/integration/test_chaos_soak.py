@@ -21,10 +21,10 @@ import pytest
 from components.evaluate.heldout import evaluate_checkpoint
 from components.train.local import RUN_DIR_ENV, job_processes, run_local_training
 from trainer.config import load_config
-from trainer.events import read_events
-from trainer.resilience.faults import FAULT_TYPES, RANK_0_SAVE_POINTS, SAVE_FAULTS
-from trainer.resilience.phases import STARTUP_HANGS, STARTUP_PHASES
-from trainer.run_dir import read_jsonl
+from trainer.run.events import read_events
+from trainer.config.drills import FAULT_TYPES, RANK_0_SAVE_POINTS, SAVE_FAULTS
+from trainer.config.drills import STARTUP_HANGS, STARTUP_PHASES
+from trainer.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.integration
 

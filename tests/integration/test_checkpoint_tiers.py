@@ -20,9 +20,10 @@ import pytest
 
 from components.train.report import read_metrics
 from pipelines.local_stack import S3Server
-from trainer.checkpoint.node_store import NODE_STORE_ENV, RankStore
-from trainer.events import read_events
-from trainer.run_dir import RunDir
+from trainer.env import NODE_STORE_ENV
+from trainer.checkpoint.node_store import RankStore
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 
@@ -153,7 +154,7 @@ def test_a_resume_takes_the_newest_valid_copy_from_the_nearest_tier(trained, tok
 def test_a_start_that_finds_no_valid_copy_initialises_as_a_fresh_run(trained, token_dir, training_config,
                                                                      tmp_path):
     """A copy in sight (here a corrupt FSx checkpoint) makes a start build the model on the meta device and
-    skip initialising it (trainer.trainer); when nothing restores, the weights must still be exactly those of
+    skip initialising it (trainer.job.trainer); when nothing restores, the weights must still be exactly those of
     a run that never looked (checkpoint.resume=false builds and initialises the model as usual)."""
     _, _, pristine, *_ = trained
     fresh = run_harness("resume", training_config(tmp_path / "fresh", "fresh", "--checkpoint.resume=false",

@@ -5,8 +5,8 @@ import torch
 
 from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.config import load_config
-from trainer.export import export_hf
-from trainer.model import load_or_build_model
+from trainer.checkpoint.export import export_hf
+from trainer.model.llama import load_or_build_model
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def test_the_export_reproduces_the_runs_generations_with_plain_transformers(trai
     import sys
 
     from components.evaluate.heldout import generate
-    from trainer.tokenizer import load_tokenizer
+    from trainer.data.tokenizer import load_tokenizer
 
     cfg, _ = trained_run
     checkpoint = cfg.checkpoint_dir / "step-000008"

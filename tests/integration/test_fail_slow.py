@@ -8,12 +8,13 @@ import socket
 
 import pytest
 
-from components.forwarder import STRAGGLER_TABLE, RunFolderForwarder
+from components.forwarder import RunFolderForwarder
+from components.run_metrics import STRAGGLER_TABLE
 from components.tracking import Tracker
 from components.train.local import run_local_training
 from pipelines.console import TrainingProgress, print_summary
-from trainer.events import read_events
-from trainer.resilience.phases import STARTUP_PHASES
+from trainer.run.events import read_events
+from trainer.config.drills import STARTUP_PHASES
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ import pytest
 
 from components.forwarder import RunFolderForwarder
 from components.tracking import Tracker
-from trainer.events import EventLog
-from trainer.run_dir import RunDir
+from trainer.run.events import EventLog
+from trainer.run.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

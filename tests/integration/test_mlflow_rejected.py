@@ -11,7 +11,7 @@ import pytest
 from components.context import tracker
 from components.finalize.step import run_finalize
 from components.prepare.step import run_prepare
-from trainer.run_dir import RunDir, read_jsonl
+from trainer.run.run_dir import RunDir, read_jsonl
 from pipelines.cli import mlflow_sync
 from pipelines.local_stack import MlflowServer
 from trainer.config import load_config

@@ -9,7 +9,7 @@ import pytest
 from components.context import tracker
 from components.finalize.step import run_finalize
 from components.prepare.step import run_prepare
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 from pipelines.cli import mlflow_sync
 from pipelines.local_stack import MlflowServer
 from trainer.config import load_config

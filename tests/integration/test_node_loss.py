@@ -12,8 +12,8 @@ import pytest
 
 from components.train.local import run_local_training
 from components.train.report import read_metrics
-from trainer.events import read_events
-from trainer.run_dir import RunDir
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from trainer.events import read_events
-from trainer.run_dir import read_jsonl
+from trainer.run.events import read_events
+from trainer.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.integration
 

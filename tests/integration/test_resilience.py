@@ -7,7 +7,7 @@ import pytest
 from components.train.local import TrainingError, run_local_training
 
 from components.train.report import read_metrics
-from trainer.events import read_events
+from trainer.run.events import read_events
 
 pytestmark = pytest.mark.integration
 

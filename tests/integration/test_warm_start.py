@@ -1,4 +1,4 @@
-"""Warm worker starts (trainer/warm_start.py): the worker ft_launcher starts is a thin client that runs the
+"""Warm worker starts (trainer/launch/warm_start.py): the worker ft_launcher starts is a thin client that runs the
 trainer as a fork of the node's server. ft_launcher only ever sees the client, so the client must behave as
 the trainer would: its output, its exit status, its death taking the trainer with it.
 """
@@ -12,8 +12,9 @@ import time
 import psutil
 import pytest
 
-from trainer.run_dir import RunDir
-from trainer.warm_start import WARM_START_ENV, wait_until_serving
+from trainer.run.run_dir import RunDir
+from trainer.env import WARM_START_ENV
+from trainer.launch.warm_start import wait_until_serving
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +93,7 @@ def test_a_worker_waits_for_a_server_still_importing_and_not_for_one_that_died(t
     """trainer.launcher no longer waits for its server before ft_launcher starts (the imports overlap the
     rendezvous): the first worker may ask while the server imports. It waits as long as the server lives (the
     trainer then runs as the server's child), and starts cold at once when the server is gone."""
-    from trainer.warm_start import WARM_START_PID_ENV
+    from trainer.env import WARM_START_PID_ENV
 
     socket_path = tmp_path / "server.sock"
     proc = subprocess.Popen([sys.executable, "-m", "trainer.warm_start", str(socket_path)])

@@ -11,9 +11,9 @@ import json
 
 import pytest
 
-from trainer.events import EventLog
+from trainer.run.events import EventLog
 from trainer.planning.measured import badput_breakdown, measured_costs
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 
 T0 = 1_000_000.0
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.events import EventLog
-from trainer.planning.model import Costs
+from trainer.run.events import EventLog
+from trainer.planning.goodput import Costs
 from trainer.planning.survival import job_survival, poisson_cdf, pod_restart_budget, simulate_survival
 from trainer.resilience.budget import (RestartBudget, RestartBudgetExhausted, attempt_history, budget_since,
                                        no_progress_streak)
@@ -119,8 +119,8 @@ def test_the_launchers_watch_signals_again_when_a_stop_was_swallowed(tmp_path):
     import signal
     import time
 
-    from trainer.launcher import GiveUpWatch
-    from trainer.run_dir import RunDir, write_json
+    from trainer.launch.launcher import GiveUpWatch
+    from trainer.run.run_dir import RunDir, write_json
 
     received = []
 

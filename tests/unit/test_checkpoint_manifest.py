@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from trainer.checkpoint.retention import Retention
 from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, latest_valid_checkpoint, step_dir_name,
                                 verify_checkpoint, write_manifest)
 
@@ -72,7 +73,7 @@ def _manager(directory, keep_last):
 
     from trainer.checkpoint.manager import CheckpointManager
     from trainer.config import CheckpointConfig
-    from trainer.events import EventLog
+    from trainer.run.events import EventLog
 
     return CheckpointManager(directory, CheckpointConfig(mode="sync", keep_last=keep_last), rank=0,
                              device=torch.device("cpu"), metadata={}, events=EventLog(directory.parent, 0))
@@ -91,8 +92,7 @@ def test_retention_never_deletes_the_newest_valid_checkpoint_and_counts_only_val
     for step in (4, 6, 8):
         _fake_checkpoint(directory, step)
     _corrupt(directory / step_dir_name(8))
-    manager = _manager(directory, keep_last=1)
-    manager._apply_retention(6)
+    Retention(directory, keep_last=1).apply(6)
     left = [step for step, _ in committed_checkpoints(directory)]
     assert left == [6, 8]  # 6 kept (the newest valid); 4 beyond keep_last; 8 broken, waits to be replaced
     assert latest_valid_checkpoint(directory).manifest["step"] == 6
@@ -104,8 +104,7 @@ def test_retention_deletes_broken_checkpoints_older_than_the_newest_valid_one(tm
         _fake_checkpoint(directory, step)
     _corrupt(directory / step_dir_name(4))
     (directory / step_dir_name(6) / MANIFEST).unlink()  # never committed properly
-    manager = _manager(directory, keep_last=2)
-    manager._apply_retention(8)
+    Retention(directory, keep_last=2).apply(8)
     assert [step for step, _ in committed_checkpoints(directory)] == [2, 8]  # the two valid ones
     assert not list(directory.glob("*.deleting"))
 
@@ -123,8 +122,9 @@ def test_what_a_crash_left_behind_is_removed_at_start_up(tmp_path):
 def test_save_drills_parse_and_fire_once_at_their_point(tmp_path):
     import os
 
-    from trainer.events import EventLog
-    from trainer.resilience.faults import FaultInjector, parse_schedule
+    from trainer.run.events import EventLog
+    from trainer.resilience.faults import FaultInjector
+    from trainer.config.drills import parse_schedule
 
     faults = parse_schedule("kill_before_rename@6, kill_during_shard_write@8:rank=1")
     with pytest.raises(ValueError, match="takes TYPE@STEP"):

@@ -122,7 +122,7 @@ def test_derived_paths(tmp_path):
 
 
 def test_fault_schedule_grammar():
-    from trainer.resilience.faults import Fault, parse_schedule, random_schedule
+    from trainer.config.drills import Fault, parse_schedule, random_schedule
 
     assert parse_schedule("sigkill@120:rank=1, hang@t=30s, exception@5") == [
         Fault("sigkill", 120, None, 1), Fault("hang", None, 30.0, 0), Fault("exception", 5, None, 0)]

@@ -12,7 +12,7 @@ import logging
 from kfp.local import logging_utils, status
 
 from pipelines.console import PipelineConsole, TrainingProgress
-from trainer.run_dir import RunDir
+from trainer.run.run_dir import RunDir
 
 
 class Terminal(io.StringIO):

@@ -3,8 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data import DataError, TokenBatches, is_held_out, tokenize_files
-from trainer.tokenizer import TokenizerError, load_tokenizer
+from trainer.data.shards import DataError, is_held_out, tokenize_files
+from trainer.data.batches import TokenBatches
+from trainer.data.tokenizer import TokenizerError, load_tokenizer
 
 
 def test_byte_tokenizer_ids_are_bytes_framed_by_bos_and_eos():
@@ -86,7 +87,7 @@ def test_missing_shards_say_to_stage_first(tmp_path):
 
 
 def _previous_shards(files, val_fraction, tokenizer="byte"):
-    """The shard bytes as trainer/data.py wrote them before streaming (commit 697ccd4): every document read
+    """The shard bytes as trainer/data/shards.py wrote them before streaming (commit 697ccd4): every document read
     at once, split by content, encoded by the HF tokenizer; kept here as the reference the format must match."""
     documents = []
     for path in sorted(files):
@@ -119,10 +120,10 @@ def _awkward_corpus(folder):
 @pytest.mark.parametrize("workers", [1, 2])
 def test_streamed_shards_are_byte_identical_to_the_previous_format(tmp_path, monkeypatch, workers):
     """Small chunks (cut inside runs of blank lines, CRLF files) and 1 or 2 worker processes: same bytes."""
-    import trainer.data  # the chunk size is a module constant
+    import trainer.data.shards  # the chunk size is a module constant
 
     files = _awkward_corpus(tmp_path / "raw")
-    monkeypatch.setattr(trainer.data, "CHUNK_CHARS", 97)
+    monkeypatch.setattr(trainer.data.shards, "CHUNK_CHARS", 97)
     meta = tokenize_files(files, tmp_path / "tokens", 0.2, workers=workers)
     expected = _previous_shards(files, 0.2)
     for split in ("train", "val"):
@@ -144,9 +145,9 @@ def test_byte_fast_path_matches_the_hf_tokenizer():
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_failed_tokenization_names_the_line_and_leaves_no_shards(tmp_path, monkeypatch, workers):
-    import trainer.data  # the chunk size is a module constant
+    import trainer.data.shards  # the chunk size is a module constant
 
-    monkeypatch.setattr(trainer.data, "CHUNK_CHARS", 40)  # the bad line sits in a later chunk than the first
+    monkeypatch.setattr(trainer.data.shards, "CHUNK_CHARS", 40)  # the bad line sits in a later chunk than the first
     path = tmp_path / "raw" / "bad.jsonl"
     path.parent.mkdir()
     path.write_text('{"text": "ok"}\n' * 10 + "not json\n" + '{"text": "ok"}\n' * 10)
@@ -158,7 +159,7 @@ def test_a_failed_tokenization_names_the_line_and_leaves_no_shards(tmp_path, mon
 def test_byte_table_is_transformers_own():
     from transformers.convert_slow_tokenizer import bytes_to_unicode as theirs
 
-    from trainer.tokenizer import bytes_to_unicode
+    from trainer.data.tokenizer import bytes_to_unicode
 
     assert bytes_to_unicode() == theirs()
 

@@ -221,7 +221,7 @@ def test_the_tracking_uri_is_the_service_the_overlay_builds_and_an_allowed_host(
 # -- 7. NVRx and JobSet at scale ---------------------------------------------------------------------------
 
 def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
-    from trainer.launch_args import initial_heartbeat_timeout, parameter_count
+    from trainer.launch.command import initial_heartbeat_timeout, parameter_count
 
     _, _, cfg = cluster
     seconds, why = initial_heartbeat_timeout(cfg)
@@ -240,7 +240,7 @@ def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limi
     docs, "emptyDir"); it outlives container restarts but not the pod, which is what the tier needs. It must
     hold two copies of the node's share of the state and, with several nodes, two of its peer's
     (trainer.checkpoint.memory)."""
-    from trainer.launch_args import parameter_count
+    from trainer.launch.command import parameter_count
 
     _, _, cfg = cluster
     job = build_trainjob(cfg, "/fsx/datasets/v1")
@@ -359,12 +359,12 @@ def node_job(runtime) -> dict:
 
 
 def test_a_lost_node_replaces_one_pod_a_crash_loop_fails_the_jobset_and_no_replacement_restarts_it(cluster):
-    """What each end of a node's pod does to the job (trainer.node_lifecycle's table), through the Job and JobSet
+    """What each end of a node's pod does to the job (trainer.launch.node_lifecycle's table), through the Job and JobSet
     controllers' rules: a node lost or evicted replaces that pod only (the others keep their memory); exit 42
     (the restart budget's verdict) fails the JobSet; exit 43 (no replacement in time) and a node that keeps
     failing restart every pod."""
-    from trainer.node_lifecycle import REPLACEMENT_TIMEOUT_EXIT_CODE
-    from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE
+    from trainer.env import REPLACEMENT_TIMEOUT_EXIT_CODE
+    from trainer.env import CRASH_LOOP_EXIT_CODE
 
     _, objects, _ = cluster
     runtime, _ = runtime_pod(objects)
@@ -416,7 +416,7 @@ def test_the_rendezvous_lives_outside_every_node(cluster):
     JobSet gives that pod (<jobset>-<replicated job>-<job index>-<pod index>.<subdomain>, the subdomain being the
     JobSet's name unless network.subdomain says otherwise: jobset pkg/controllers/jobset_controller.go,
     constructJob / GenPodName)."""
-    from trainer.launch_args import RENDEZVOUS_PORT, rendezvous_endpoint_of
+    from trainer.launch.command import RENDEZVOUS_PORT, rendezvous_endpoint_of
 
     _, objects, cfg = cluster
     runtime, _ = runtime_pod(objects)
@@ -478,7 +478,7 @@ def node_pod_image(runtime) -> str:
 def test_the_jobsets_restart_budget_covers_the_pod_faults_the_planner_expects(cluster):
     """maxRestarts only backstops failures outside the training (the rule ends crash loops): it must not end a
     healthy 30-day job of the overlay's size that loses nodes at the planner's rate."""
-    from trainer.planning.model import Costs
+    from trainer.planning.goodput import Costs
     from trainer.planning.survival import pod_restart_budget
 
     _, objects, cfg = cluster

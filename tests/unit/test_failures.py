@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from trainer.events import EventLog
+from trainer.run.events import EventLog
 from trainer.resilience.failures import explain_restarts, is_lost_peer, record_failure
-from trainer.resilience.phases import DEFAULT_STARTUP_TIMEOUTS, PhaseWatchdog, parse_startup_timeouts
+from trainer.config.drills import DEFAULT_STARTUP_TIMEOUTS, parse_startup_timeouts
+from trainer.resilience.phases import PhaseWatchdog
 
 GLOO_PEER_GONE = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                               "[127.0.0.1]:3733. This is typically caused by a remote worker crashing.")

@@ -3,7 +3,7 @@
 - pipelines/ → components/ → trainer/: no layer imports one above it, and no module imports itself back
   through others (a cycle only works while some import hides inside a function);
 - no module over 450 lines, and each says in its first line what it is for;
-- the run folder's file names are spelled in trainer/run_dir.py and nowhere else;
+- the run folder's file names are spelled in trainer/run/run_dir.py and nowhere else;
 - everything trainer/ imports at module level is in the training image: docker/trainer-requirements.txt,
   what those requirements pull in, or the NGC PyTorch base (torch).
 """
@@ -128,7 +128,7 @@ def test_each_module_is_short_and_says_what_it_is_for(name):
 def test_run_folder_names_are_spelled_only_in_run_dir():
     spelled = []
     for name, path in modules().items():
-        if name == "trainer.run_dir":
+        if name == "trainer.run.run_dir":
             continue
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]

@@ -1,4 +1,4 @@
-"""trainer.node_lifecycle: one table says what becomes of a node whose launcher ended, for the local runner and
+"""trainer.launch.node_lifecycle: one table says what becomes of a node whose launcher ended, for the local runner and
 for the EKS runtime's podFailurePolicy alike."""
 
 import subprocess
@@ -8,9 +8,10 @@ import pytest
 import yaml
 
 from components.train.nodes import node_command
-from trainer.launcher import external_store, is_rendezvous_timeout
-from trainer.node_lifecycle import REPLACEMENT_TIMEOUT_EXIT_CODE, Verdict, pod_failure_policy, verdict
-from trainer.resilience.budget import CRASH_LOOP_EXIT_CODE
+from trainer.launch.launcher import external_store, is_rendezvous_timeout
+from trainer.env import REPLACEMENT_TIMEOUT_EXIT_CODE
+from trainer.launch.node_lifecycle import Verdict, pod_failure_policy, verdict
+from trainer.env import CRASH_LOOP_EXIT_CODE
 from tests.kube import MANIFESTS
 
 
@@ -67,7 +68,7 @@ def test_the_rendezvous_store_refuses_a_missing_node_count():
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_the_rendezvous_store_exits_once_every_node_finished(nodes):
-    from trainer.rendezvous_store import FINISHED_KEY, READY_LINE, connect
+    from trainer.launch.rendezvous_store import FINISHED_KEY, READY_LINE, connect
 
     store = subprocess.Popen([sys.executable, "-m", "trainer.rendezvous_store", "--host", "127.0.0.1", "--port", "0",
                               "--nodes", str(nodes)], stdout=subprocess.PIPE, text=True)
@@ -105,7 +106,7 @@ class FakeNvml:
 
 
 def test_a_node_joins_only_with_every_gpu_and_efa_device():
-    from trainer.node_health import node_problems
+    from trainer.launch.node_health import node_problems
 
     eight = [f"/dev/infiniband/uverbs{i}" for i in range(32)]
     assert node_problems(8, 32, nvml=FakeNvml(8), efa_devices=eight) == []
@@ -120,7 +121,7 @@ def test_a_node_joins_only_with_every_gpu_and_efa_device():
 def test_the_launcher_refuses_an_unfit_node_before_it_joins():
     """On this machine there is no NVIDIA driver: a launcher told to expect GPUs exits 44 at once, which the
     runtime treats as a lost node (replaced), not as a crash loop."""
-    from trainer.node_health import NODE_UNHEALTHY_EXIT_CODE
+    from trainer.env import NODE_UNHEALTHY_EXIT_CODE
 
     proc = subprocess.run([sys.executable, "-m", "trainer.launcher", "--check-node=8,32", "torchrun", "--help"],
                           capture_output=True, text=True, timeout=120)

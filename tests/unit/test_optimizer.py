@@ -1,4 +1,4 @@
-"""A fresh AdamW's state written directly (trainer.optimizer.initialize_state) must be exactly what
+"""A fresh AdamW's state written directly (trainer.model.optimizer.initialize_state) must be exactly what
 torch.distributed.checkpoint's get_state_dict creates with its zero-gradient step, and train the same after."""
 
 import copy
@@ -6,7 +6,7 @@ import copy
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
-from trainer.optimizer import build_optimizer, initialize_state
+from trainer.model.optimizer import build_optimizer, initialize_state
 
 
 def _model() -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""The checkpoint-interval planner (trainer.planning.model), its simulator (trainer.planning.simulate) and
+"""The checkpoint-interval planner (trainer.planning.goodput), its simulator (trainer.planning.simulate) and
 `python -m pipelines plan`.
 
 The closed form is checked against the simulator where the closed form is exact: Daly (2006), "A higher order
@@ -17,8 +17,7 @@ import math
 import pytest
 
 from pipelines.cli import main
-from trainer.planning.model import (CONFIGURATIONS, Configuration, Costs, PlanError, best_interval, daly_goodput,
-                                    daly_interval, evaluate, expected_goodput, make_plan, young_interval)
+from trainer.planning.goodput import (CONFIGURATIONS, Configuration, Costs, PlanError, best_interval, daly_goodput, daly_interval, evaluate, expected_goodput, make_plan, young_interval)
 from trainer.planning.simulate import FailureModel, simulate, simulate_many
 
 BY_NAME = {c.name: c for c in CONFIGURATIONS}
@@ -213,7 +212,7 @@ def test_interval_steps_auto_in_the_config():
 
 
 def test_a_write_in_flight_survives_an_exception_but_not_a_process_death():
-    """trainer.cli closes a trainer that raised with its save waited for (the process is alive); a killed
+    """trainer.job.cli closes a trainer that raised with its save waited for (the process is alive); a killed
     process, or an in-process restart (peers may be gone), drops it. Found by the goodput bench's calibration:
     without this rule the simulation lost 10 steps where the run lost none."""
     costs = Costs(nodes=2, node_mtbf_hours=1.0, step_seconds=1.0, checkpoint_stall_seconds=0.1,

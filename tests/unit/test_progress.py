@@ -1,4 +1,4 @@
-"""TrainJob progress (trainer.progress): status.trainerStatus as Kubeflow Trainer's API admits it, sent the way
+"""TrainJob progress (trainer.observe.progress): status.trainerStatus as Kubeflow Trainer's API admits it, sent the way
 its controller's server expects, and never in training's way.
 
 Sources of the rules encoded here:
@@ -24,8 +24,8 @@ import pytest
 
 from tests.crd_schema import crd_errors
 from trainer.config import load_config
-from trainer.progress import (SERVER_URL_ENV, TOKEN_ENV, ProgressReporter, StatusSender, expected_remaining_seconds,
-                              progress_line, trainer_status)
+from trainer.env import TRAINER_SERVER_URL_ENV, TRAINER_SERVER_TOKEN_ENV
+from trainer.observe.progress import (ProgressReporter, StatusSender, expected_remaining_seconds, progress_line, trainer_status)
 
 
 def _with_status(status: dict) -> dict:
@@ -126,7 +126,7 @@ def test_a_failing_or_missing_server_never_holds_up_or_stops_training(tmp_path, 
     for url in (refusing.url, "http://127.0.0.1:9/status"):  # a 500, and nothing listening
         clock = [1000.0]
         reporter = ProgressReporter(cfg, rank=0, nodes=1, run_started_at=990.0, clock=lambda: clock[0],
-                                    environ={SERVER_URL_ENV: url, TOKEN_ENV: str(tmp_path / "absent")})
+                                    environ={TRAINER_SERVER_URL_ENV: url, TRAINER_SERVER_TOKEN_ENV: str(tmp_path / "absent")})
         started = time.perf_counter()
         for step in range(1, 40):
             clock[0] += 0.5
@@ -144,7 +144,7 @@ def test_the_reporter_throttles_and_writes_the_status_the_train_step_logs(tmp_pa
     server = _Server()
     clock = [1000.0]
     reporter = ProgressReporter(cfg, rank=0, nodes=1, run_started_at=1000.0, restarted=True,
-                                clock=lambda: clock[0], environ={SERVER_URL_ENV: server.url})
+                                clock=lambda: clock[0], environ={TRAINER_SERVER_URL_ENV: server.url})
     for step in range(1, 61):
         clock[0] += 1.0
         reporter.observe(step, {"loss": 2.5, "tokens_per_second": 500.0}, straggler="rank 1 optimizer 0.54")
@@ -165,7 +165,7 @@ def test_the_reporter_throttles_and_writes_the_status_the_train_step_logs(tmp_pa
 
 def test_other_ranks_and_runs_without_the_server_send_nothing(tmp_path):
     cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=p"])
-    assert ProgressReporter(cfg, rank=1, nodes=1, run_started_at=0, environ={SERVER_URL_ENV: "http://x"}).sender is None
+    assert ProgressReporter(cfg, rank=1, nodes=1, run_started_at=0, environ={TRAINER_SERVER_URL_ENV: "http://x"}).sender is None
     local = ProgressReporter(cfg, rank=0, nodes=1, run_started_at=0, environ={})
     assert local.sender is None
     local.observe(1, {"loss": 1.0})

@@ -1,7 +1,7 @@
 import pytest
 
 from trainer.config import load_config
-from trainer.trainer import lr_at
+from trainer.job.trainer import lr_at
 
 
 def test_warmup_then_cosine_to_the_floor():
@@ -30,7 +30,7 @@ def test_xids_that_take_a_node_out_of_service():
 def test_gpu_health_is_a_no_op_on_cpu(tmp_path):
     import torch
 
-    from trainer.events import EventLog
+    from trainer.run.events import EventLog
     from trainer.resilience.health import GpuHealth
 
     health = GpuHealth(torch.device("cpu"), EventLog(tmp_path, 0), interval_steps=1)

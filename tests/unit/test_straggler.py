@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.config import ConfigError, load_config
-from trainer.events import EventLog, read_events
+from trainer.run.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
 from trainer.resilience.straggler import StragglerDetector, findings
 

@@ -3,7 +3,7 @@
 import urllib.request
 
 from pipelines.local_stack import free_port
-from trainer.telemetry import Telemetry
+from trainer.observe.telemetry import Telemetry
 
 
 def test_metrics_endpoint_serves_step_loss_stall_recoveries_and_straggler_scores(monkeypatch):

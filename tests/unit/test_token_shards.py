@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from components.stage.shards import SHARDS_DIR, collect_shards, plan_groups, tokenize_group
-from trainer.data import META_FILE, DataError, TokenBatches, tokenize_files
+from trainer.data.shards import META_FILE, DataError, tokenize_files
+from trainer.data.batches import TokenBatches
 
 
 def _corpus(folder, files=7):

@@ -162,7 +162,8 @@ def test_a_cancelled_step_deletes_its_trainjob_and_so_does_the_exit_handler(cfg)
 
 
 def test_each_new_job_runs_under_a_new_lease_generation_and_a_reattach_keeps_it(cfg):
-    from trainer.lease import GENERATION_ENV, RunLease, read_lease
+    from trainer.env import GENERATION_ENV
+    from trainer.run.lease import RunLease, read_lease
 
     api = FakeCustomObjects(states=("Running",))
     with RunLease(cfg.run_dir) as lease:
@@ -175,7 +176,7 @@ def test_each_new_job_runs_under_a_new_lease_generation_and_a_reattach_keeps_it(
 
 def test_goodput_on_the_cluster_comes_from_the_run_folder(cfg):
     """The same computation as on one machine (components.train.training_report), not 0.0."""
-    from trainer.events import EventLog
+    from trainer.run.events import EventLog
 
     api = FakeCustomObjects(states=("Complete",))
     launcher = TrainJobLauncher(cfg, api, sleep=lambda s: None)

@@ -29,7 +29,7 @@ from typing import Any
 import xxhash
 
 from trainer.checkpoint import reads
-from trainer.run_dir import write_json
+from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
 

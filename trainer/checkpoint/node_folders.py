@@ -12,7 +12,6 @@ import psutil
 
 log = logging.getLogger(__name__)
 
-NODE_STORE_ENV = "RESILIENT_TRAIN_NODE_STORE"  # the launch's store folder, set by trainer.launcher
 META = "meta.json"
 
 

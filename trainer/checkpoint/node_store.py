@@ -31,9 +31,9 @@ import psutil
 import torch
 import xxhash
 
-# The folders' names and lifetimes, light enough for trainer.launcher (no torch); re-exported here.
-from trainer.checkpoint.node_folders import (META, NODE_STORE_ENV, holds_a_copy, owner_name,  # noqa: F401
-                                             remove_dead_owners)
+# The folders' names and lifetimes, light enough for the node's launcher (no torch).
+from trainer.checkpoint.node_folders import META, owner_name, remove_dead_owners
+from trainer.env import NODE_STORE_ENV
 
 log = logging.getLogger(__name__)
 

@@ -159,7 +159,7 @@ class KubernetesConfig:
     node_memory_gib: int = 0
     """Size of the node-memory volume (medium: Memory, mounted at checkpoint.memory_dir) in GiB: two copies of
     the node's share of the training state plus two of its peer's. 0 derives it from the model
-    (trainer.launch_args.node_memory_gib)."""
+    (trainer.launch.command.node_memory_gib)."""
 
     process_memory_gib: int = 256
     """Memory per node for the training processes themselves, on top of /dev/shm and the node-memory volume

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainer.config.rules import ConfigError, require
-from trainer.resilience.faults import FAULT_TYPES, parse_schedule
-from trainer.resilience.phases import parse_startup_timeouts
+from trainer.config.drills import FAULT_TYPES, parse_schedule
+from trainer.config.drills import parse_startup_timeouts
 
 
 @dataclass
@@ -54,7 +54,7 @@ class ResilienceConfig:
     initial_heartbeat_timeout: float = 0.0
     """ft_launcher's --ft-initial-rank-heartbeat-timeout: seconds from a worker's connection to its rank monitor
     to its first heartbeat. 0 derives it from the model's checkpoint size, kubernetes.fsx_throughput_mbps and
-    the GPU count (at least 120 s; see trainer.launch_args.initial_heartbeat_timeout). ft_launcher starts this
+    the GPU count (at least 120 s; see trainer.launch.command.initial_heartbeat_timeout). ft_launcher starts this
     clock only when the worker connects, which it does at its first heartbeat (trainer.resilience.hooks.
     Heartbeat): the start-up before it is bounded phase by phase by resilience.startup_timeouts."""
 

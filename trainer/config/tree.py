@@ -14,8 +14,8 @@ import yaml
 
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.rules import require
-from trainer.resilience.faults import parse_schedule, unfirable
-from trainer.run_dir import RunDir
+from trainer.config.drills import parse_schedule, unfirable
+from trainer.run.run_dir import RunDir
 from trainer.config.resilience import FaultsConfig, ResilienceConfig
 from trainer.config.training import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
 

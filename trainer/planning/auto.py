@@ -1,5 +1,5 @@
 """checkpoint.interval_steps=auto: the trainer measures its own costs in its first saves and lets the planner
-(trainer.planning.model) choose the FSx interval, once per run.
+(trainer.planning.goodput) choose the FSx interval, once per run.
 
 Until the choice, the FSx tier saves every `checkpoint.auto_probe_steps`. At the third of those saves in a
 launch, every rank has measured its step time (median so far), the second save's stall (the loop's wait less
@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config
-from trainer.events import EventLog, read_events
-from trainer.planning.model import Configuration, Costs, best_interval, tier_rates
+from trainer.run.events import EventLog, read_events
+from trainer.planning.goodput import Configuration, Costs, best_interval, tier_rates
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from trainer.events import read_events
-from trainer.run_dir import RunDir, read_json, read_jsonl
+from trainer.run.events import read_events, run_started_at
+from trainer.run.run_dir import RunDir, read_json, read_jsonl
 
 BADPUT_CATEGORIES = ("checkpoint_save", "checkpoint_load", "wasted_progress", "infrastructure_recovery", "startup",
                      "data_loading", "other")
@@ -49,7 +49,7 @@ def save_stalls(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def measured_costs(run_dir: Path) -> dict[str, float]:
-    """The planner's inputs (trainer.planning.model.Costs field names) that this run measured; a cost the run
+    """The planner's inputs (trainer.planning.goodput.Costs field names) that this run measured; a cost the run
     did not exercise (no fault of that kind, no save) is left out."""
     run_dir = Path(run_dir)
     metrics = kept_metrics(RunDir(run_dir).metrics)
@@ -79,16 +79,16 @@ def measured_costs(run_dir: Path) -> dict[str, float]:
                  if r.get("mechanism") == mechanism and r.get("reinit_seconds") is not None]
         if found:
             costs[key] = statistics.median(found)
-    startup = _startup_seconds(run_dir, read_jsonl(RunDir(run_dir).metrics), None)
+    # A start-up's own cost: the first process's start to the first step (not the run's start: a later launch
+    # of the same run folder starts after that step).
+    first_process = min((e["process_started_at"] for e in read_events(run_dir, "launch")), default=None)
+    startup = _startup_seconds(read_jsonl(RunDir(run_dir).metrics), first_process)
     if startup is not None:
         costs["startup_seconds"] = startup
     return costs
 
 
-def _startup_seconds(run_dir: Path, records: list[dict], started_at: float | None) -> float | None:
-    if started_at is None:
-        launches = read_events(run_dir, "launch")
-        started_at = min((e["process_started_at"] for e in launches), default=None)
+def _startup_seconds(records: list[dict], started_at: float | None) -> float | None:
     starts = [r["time"] - r["step_seconds"] for r in records if "time" in r]
     if started_at is None or not starts:
         return None
@@ -97,14 +97,12 @@ def _startup_seconds(run_dir: Path, records: list[dict], started_at: float | Non
 
 def badput_breakdown(run_dir: Path, started_at: float | None = None, finished_at: float | None = None) -> dict[str, Any]:
     """Where the job's wall time went: productive seconds, each badput category's seconds, and the goodput
-    (productive / wall). started_at: the job's start (default: the first process start); finished_at: the
+    (productive / wall). started_at: the launch's start (trainer.run.events.run_started_at); finished_at: the
     end (default: the result's finished_at)."""
     run_dir = Path(run_dir)
     records = read_jsonl(RunDir(run_dir).metrics)
     kept = kept_metrics(RunDir(run_dir).metrics)
-    if started_at is None:
-        launches = read_events(run_dir, "launch")
-        started_at = min((e["process_started_at"] for e in launches), default=None)
+    started_at = run_started_at(run_dir, started_at)
     result = read_json(RunDir(run_dir).result) or {}
     finished_at = finished_at or result.get("finished_at")
     if started_at is None or finished_at is None or not kept:
@@ -120,7 +118,7 @@ def badput_breakdown(run_dir: Path, started_at: float | None = None, finished_at
         "wasted_progress": sum(r["step_seconds"] for r in records) - sum(r["step_seconds"] for r in kept),
         "infrastructure_recovery": sum((r.get("detect_and_teardown_seconds") or 0.0) + (r.get("reinit_seconds") or 0.0)
                                        for r in recoveries),
-        "startup": _startup_seconds(run_dir, records, started_at) or 0.0,
+        "startup": _startup_seconds(records, started_at) or 0.0,
         "data_loading": data,
     }
     seconds["other"] = wall - productive - sum(seconds.values())

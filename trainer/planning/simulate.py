@@ -1,5 +1,5 @@
 """A seeded discrete-event simulation of one training job under failures, to check the closed form
-(trainer.planning.model) where it holds and to go where it does not (heavy tails, racks, back-to-back faults).
+(trainer.planning.goodput) where it holds and to go where it does not (heavy tails, racks, back-to-back faults).
 
     result = simulate(costs, CONFIGURATIONS[-1], intervals={"memory": 4.0, "fsx": 400.0}, work_seconds=7 * 86400,
                       seed=1, failures=FailureModel("weibull", weibull_shape=0.7))
@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.planning.model import FAULT_CLASSES, Configuration, Costs, PlanError, write_survives
+from trainer.planning.goodput import FAULT_CLASSES, Configuration, Costs, PlanError, write_survives
 
 _NONE = -1.0  # no usable copy
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 
-from trainer.planning.model import HOUR, Costs, PlanError
+from trainer.planning.goodput import HOUR, Costs, PlanError
 
 DAY = 24 * HOUR
 FIXED_BUDGETS = (9, 30, 100)  # 9: the project's EKS budget before the rule (JobSet 2 x ft_launcher 3 + 3)

@@ -37,16 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.events import JOB_ATTEMPT_ENV, RESTART_COUNT_ENV, EventLog, read_events
-from trainer.run_dir import RunDir, read_json, read_jsonl, write_json
+from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV,
+                         TORCHELASTIC_RUN_ID_ENV)
+from trainer.run.events import EventLog, read_events
+from trainer.run.run_dir import RunDir, read_json, read_jsonl, write_json
 
 log = logging.getLogger(__name__)
 
 # The one exit code that means "do not restart me" — Kubernetes' own podFailurePolicy example uses 42 for a
 # non-retriable failure; nothing else in the stack (Python, torch elastic, NVRx, the shell) exits with it.
-CRASH_LOOP_EXIT_CODE = 42
-BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # set by the train step: its launch's start (epoch seconds)
-LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"
 
 
 class RestartBudgetExhausted(BaseException):
@@ -116,7 +115,7 @@ def launch_scope() -> str:
     (TORCHELASTIC_RUN_ID: its restarts count, a new invocation starts afresh), else this process."""
     if os.environ.get(BUDGET_SINCE_ENV):
         return f"step:{os.environ[BUDGET_SINCE_ENV]}"
-    return os.environ.get("TORCHELASTIC_RUN_ID") or f"process:{os.getpid()}"
+    return os.environ.get(TORCHELASTIC_RUN_ID_ENV) or f"process:{os.getpid()}"
 
 
 def attempt_history(run_dir: Path, since: float, scope: str | None = None) -> list[Attempt]:

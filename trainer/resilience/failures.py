@@ -7,7 +7,7 @@ a straggler. A start-up hang is the watchdog's ``hang`` record (trainer.resilien
 injector's ``fault``. A rank killed outright (SIGKILL, the OOM killer, a lost node) records nothing.
 
 ``explain_restarts`` groups those records since the last recovery by attempt (every event carries its
-attempt: trainer.events.current_attempt) and says, per failed attempt, which rank failed first and how; the
+attempt: trainer.run.events.current_attempt) and says, per failed attempt, which rank failed first and how; the
 others' secondary errors are counted, not repeated. The launcher's log (four tracebacks of "Connection
 reset by peer") is not read: it cannot say which came first.
 """
@@ -20,7 +20,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from trainer.events import EventLog, read_events
+from trainer.run.events import EventLog, read_events
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def is_lost_peer(error: BaseException) -> bool:
 
 def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, step: int | None) -> None:
     """A rank's own record of the exception it fails with (never raises: the failure itself matters more). A
-    trainer whose run folder belongs to another launch (trainer.lease) records nothing there."""
+    trainer whose run folder belongs to another launch (trainer.run.lease) records nothing there."""
     if type(error).__name__ in ("LeaseLost", "RunFolderBusy"):
         return
     try:
@@ -84,13 +84,26 @@ def _how(record: dict[str, Any]) -> str:
     return record.get("message", record.get("how", "failed"))
 
 
+def handled_fault_keys(events: list[dict[str, Any]]) -> set[str]:
+    """The faults already accounted for, of these events: named by a recovery (its fault_keys), or absorbed
+    without a restart (fault_absorbed: a slow rank; checkpoint_failed: a writer crash the next save covered)."""
+    handled = set()
+    for event in events:
+        if event["event"] == "recovery":
+            handled.update(event.get("fault_keys") or [event.get("fault_key")])
+        elif event["event"] in ("fault_absorbed", "checkpoint_failed"):
+            handled.add(event.get("fault_key"))
+    handled.discard(None)
+    return handled
+
+
 def explain_restarts(run_dir: Path, before: float, world_size: int) -> list[dict[str, Any]]:
     """Why each restart since the last recovery happened, oldest first — one per failed attempt (start of the
     ranks) that left records before `before` (usually one; more when restarts failed in start-up in a row).
     Each: {cause: the sentence, first_failed_rank, first_failure: how, secondary_errors: count, silent_ranks}."""
     events = read_events(run_dir)
     since = max((e["time"] for e in events if e["event"] == "recovery" and e["time"] < before), default=0.0)
-    handled = {e.get("fault_key") for e in events if e["event"] in ("fault_absorbed", "checkpoint_failed")}
+    handled = handled_fault_keys(events)
     records = [e for e in events if since < e["time"] < before and e["event"] in FAILURE_EVENTS
                and not (e["event"] == "fault" and e["key"] in handled)]
     attempts: dict[str, list[dict[str, Any]]] = {}

@@ -23,109 +23,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
-import re
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.events import read_events
-from trainer.resilience.phases import STARTUP_HANGS
-from trainer.run_dir import RunDir
-from trainer.node_lifecycle import NODE_LAUNCHER_PID_ENV, in_a_node_of_many, kill_this_node
+from trainer.run.events import read_events
+from trainer.config.drills import Fault, SAVE_FAULTS, STARTUP_HANGS, parse_schedule
+from trainer.run.run_dir import RunDir
+from trainer.env import NODE_LAUNCHER_PID_ENV
+from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
 
 log = logging.getLogger(__name__)
 
-LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
-               "corrupt_memory", "straggler")
-# Save drill -> the sub-step of CheckpointManager.save it acts at (the manager calls save_point(point, step)).
-SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
-              "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
-              "kill_during_retention": "retention"}
-SAVE_FAULTS = {**SAVE_KILLS, "checkpoint_writer_crash": "write"}
-# Sub-steps only rank 0 performs (the commit runs on rank 0's commit thread): a drill there on another rank
-# could never fire.
-RANK_0_SAVE_POINTS = ("before_manifest", "before_rename", "before_parent_fsync", "retention")
-FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS)
-REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
-
-_ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
-                   r"(?P<repeat>:repeat)?$")
-
-
 class InjectedFault(RuntimeError):
     """Raised by an injected `exception` fault."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    type: str
-    step: int | None  # fires after this optimizer step completes
-    seconds: float | None  # or once this many seconds of training have passed in the run
-    rank: int
-    repeat: bool = False  # fires on every attempt that is about to train `step` (a crash loop)
-
-    @property
-    def key(self) -> str:
-        when = f"{self.step}" if self.step is not None else f"t={self.seconds}"
-        return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat else "")
-
-
-def parse_schedule(text: str) -> list[Fault]:
-    """The schedule's faults; ValueError naming the bad item."""
-    faults = []
-    for raw in (item.strip() for item in text.split(",")):
-        if not raw:
-            continue
-        match = _ITEM.match(raw)
-        if not match:
-            raise ValueError(f"{raw!r} must look like TYPE@STEP, TYPE@t=SECONDS, optionally followed by :rank=R "
-                             "(e.g. sigkill@120:rank=1)")
-        if match["type"] not in FAULT_TYPES:
-            raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
-        kind, rank = match["type"], int(match["rank"] or 0)
-        if kind in SAVE_FAULTS and match["seconds"]:
-            raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
-        if kind in STARTUP_HANGS and match["seconds"]:
-            raise ValueError(f"{raw!r}: a start-up hang fires in the first start after step STEP (0: the first "
-                             "start), so it takes TYPE@STEP")
-        if kind in SAVE_FAULTS and SAVE_FAULTS[kind] in RANK_0_SAVE_POINTS and rank != 0:
-            raise ValueError(f"{raw!r} could never fire: only rank 0 commits checkpoints (its {SAVE_FAULTS[kind]} "
-                             "sub-step runs nowhere else); drop ':rank=...'")
-        if match["repeat"] and (kind not in REPEATABLE or match["seconds"]):
-            raise ValueError(f"{raw!r}: ':repeat' (a crash loop at one step) takes TYPE@STEP with TYPE one of "
-                             f"{list(REPEATABLE)}")
-        faults.append(Fault(kind, int(match["step"]) if match["step"] else None,
-                            float(match["seconds"]) if match["seconds"] else None, rank, bool(match["repeat"])))
-    return faults
-
-
-def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool) -> str | None:
-    """Why a parsed schedule item could never fire in any run of this job, if one could not (the config refuses
-    it). A step past training.num_steps is not refused: shortening a run should not mean editing its drills;
-    the trainer says which will not fire (FaultInjector)."""
-    for fault in faults:
-        if fault.rank >= world_size:
-            return f"{fault.key} could never fire: rank {fault.rank} does not exist (the job has {world_size} ranks)"
-        if fault.type in SAVE_FAULTS and not checkpoints:
-            return f"{fault.key} could never fire: checkpoint.enabled is false, so no save happens"
-    return None
-
-
-def random_schedule(num_steps: int, mtbf_steps: float, types: list[str], world_size: int, seed: int) -> list[Fault]:
-    """Exponential inter-arrival steps (mean mtbf_steps), types and ranks drawn from a seeded RNG."""
-    rng = random.Random(seed)
-    faults, step = [], 0.0
-    while True:
-        step += rng.expovariate(1.0 / mtbf_steps)
-        if step >= num_steps:
-            return faults
-        kind, rank = rng.choice(types), rng.randrange(world_size)
-        if SAVE_FAULTS.get(kind) in RANK_0_SAVE_POINTS:
-            rank = 0  # only rank 0 commits
-        faults.append(Fault(kind, max(1, int(step)), None, rank))
 
 
 class FaultInjector:

@@ -20,15 +20,17 @@ import time
 from typing import Any
 
 from trainer.config import Config
-from trainer.events import EventLog, read_events
+from trainer.run.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
-from trainer.resilience.budget import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV, restart_layer
-from trainer.resilience.failures import explain_restarts
-from trainer.resilience.faults import FaultInjector, parse_schedule, random_schedule, straggling_here
+from trainer.env import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV
+from trainer.resilience.budget import restart_layer
+from trainer.resilience.failures import explain_restarts, handled_fault_keys
+from trainer.resilience.faults import FaultInjector, straggling_here
+from trainer.config.drills import parse_schedule, random_schedule
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.resilience.straggler import StragglerDetector
-from trainer.run_dir import RunDir, read_jsonl
-from trainer.worker_clock import worker_started_at
+from trainer.run.run_dir import RunDir, read_jsonl
+from trainer.resilience.worker_clock import worker_started_at
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,8 @@ class Heartbeat:
 
 class ResilienceHooks:
     def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
-                 telemetry=None, node_memory=None):
+                 telemetry=None, node_memory=None, run_started_at: float | None = None):
+        """run_started_at: the run's start (trainer.run.events.run_started_at), the origin of t=SECONDS drills."""
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.events = events
@@ -88,7 +91,8 @@ class ResilienceHooks:
                         ", ".join(late))
         fired = read_events(cfg.run_dir, "fault")
         self.injector = FaultInjector(faults, rank, events, {e["key"] for e in fired},
-                                      run_started_at=self._run_started_at(), slow_seconds=cfg.faults.slow_seconds,
+                                      run_started_at=run_started_at or self.process_started_at,
+                                      slow_seconds=cfg.faults.slow_seconds,
                                       node_memory=node_memory, straggler_factor=cfg.faults.straggler_factor,
                                       straggling=straggling_here(fired, rank))
         self.stragglers = StragglerDetector(cfg, rank=rank, world_size=world_size, device=device, events=events,
@@ -96,10 +100,6 @@ class ResilienceHooks:
         self.section = self.stragglers.section  # the loop's timed sections: with hooks.section("data"): ...
         self._resume: dict[str, Any] | None = None
         self._first_step_done = False
-
-    def _run_started_at(self) -> float:
-        launches = read_events(self.cfg.run_dir, "launch")
-        return launches[0]["time"] if launches else time.time()
 
     def start(self, init_seconds: dict[str, float] | None = None) -> None:
         """Called once the trainer is built: record this launch (rank 0) with where its start-up time went
@@ -155,13 +155,10 @@ class ResilienceHooks:
 
     def _record_recovery(self, step: int) -> None:
         now = time.time()
-        # Faults already accounted for: named by an earlier recovery, or absorbed without a restart.
-        handled = {key for e in read_events(self.cfg.run_dir, "recovery")
-                   for key in (e.get("fault_keys") or [e.get("fault_key")])}
-        handled |= {e.get("fault_key") for e in read_events(self.cfg.run_dir)
-                    if e["event"] in ("fault_absorbed", "checkpoint_failed")}
-        faults = [e for e in read_events(self.cfg.run_dir, "fault")
-                  if e["key"] not in handled and e["time"] < self.process_started_at]
+        events = read_events(self.cfg.run_dir)
+        handled = handled_fault_keys(events)
+        faults = [e for e in events if e["event"] == "fault" and e["key"] not in handled
+                  and e["time"] < self.process_started_at]
         fault = faults[-1] if faults else None
         resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0, "source": "none"}
         fault_time = fault["time"] if fault else None

@@ -27,47 +27,16 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
+from trainer.env import HANG_EXIT_CODE
 
 log = logging.getLogger(__name__)
 
-STARTUP_PHASES = ("rendezvous", "process_group", "model_build", "restore", "restore_memory", "restore_s3",
-                  "restore_fsx", "first_step")
-# Generous: each bounds one phase of the slowest legitimate start (a 1,000-GPU NCCL set-up, an 8B model's
-# checkpoint from FSx or S3); tests and drills pass short ones.
-DEFAULT_STARTUP_TIMEOUTS = {"rendezvous": 900.0, "process_group": 600.0, "model_build": 1200.0,
-                            "restore": 600.0, "restore_memory": 300.0, "restore_s3": 7200.0, "restore_fsx": 3600.0,
-                            "first_step": 1200.0}
-# The drills: fault type -> the phases it hangs in.
-STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group": ("process_group",),
-                 "hang_in_model_build": ("model_build",),
-                 "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx"),
-                 "hang_in_first_step": ("first_step",)}
-HANG_EXIT_CODE = 124  # timeout(1)'s code: a hang, restarted like any other worker failure
 _phase = ["start"]  # the process's phase: the last start-up phase entered, "train" once start-up is over
 
 
 def current_phase() -> str:
     """Where this process is: a start-up phase, or "train" (a failure's record names it)."""
     return _phase[0]
-
-
-def parse_startup_timeouts(text: str) -> dict[str, float]:
-    """'phase=seconds,...' over the defaults; ValueError naming the bad item."""
-    timeouts = dict(DEFAULT_STARTUP_TIMEOUTS)
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        if not sep or name.strip() not in STARTUP_PHASES:
-            raise ValueError(f"{item!r} must look like PHASE=SECONDS with PHASE one of {list(STARTUP_PHASES)}")
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise ValueError(f"{item!r}: {value!r} is not a number of seconds") from None
-        if not seconds > 0:
-            raise ValueError(f"{item!r}: the timeout must be > 0 seconds")
-        timeouts[name.strip()] = seconds
-    return timeouts
 
 
 class PhaseWatchdog:

@@ -29,7 +29,7 @@ Rank 0 writes a ``straggler_report`` event per report (the lowest step score, th
 ``straggler`` event per straggler (rank, node, its scores per section, reports in a row); every rank sets its
 Prometheus gauges (its own scores). With
 ``resilience.on_straggler=replace_node`` a node that is a straggler in ``straggler_patience`` reports in a
-row is taken out through the node-replacement path (trainer.node_lifecycle): its ranks record why and end
+row is taken out through the node-replacement path (trainer.launch.node_lifecycle): its ranks record why and end
 the node; the job replaces it like a lost one.
 """
 
@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from trainer.node_lifecycle import NODE_RANK_ENV, in_a_node_of_many, kill_this_node
+from trainer.env import NODE_RANK_ENV
+from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
 from trainer.resilience import nvrx_compat
 
 log = logging.getLogger(__name__)

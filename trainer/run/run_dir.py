@@ -8,8 +8,8 @@ temporary name, then a rename), so a reader never sees half a file:
     result.json        the trainer's outcome (rank 0, at the end)
     metrics.jsonl      one line per optimizer step (rank 0)
     train.log          everything the launcher and the ranks printed
-    events/rank-N.jsonl  checkpoints, faults, launches, resumes, recoveries (trainer.events)
-    lease.lock, lease.json  the run folder's writer lease (trainer.lease)
+    events/rank-N.jsonl  checkpoints, faults, launches, resumes, recoveries (trainer.run.events)
+    lease.lock, lease.json  the run folder's writer lease (trainer.run.lease)
     gave_up.json       why the restart budget ended the job (trainer.resilience.budget), when it did
     system/<node>.jsonl  each training node's system metrics (trainer.launcher)
     steps/<step>.json, steps/<step>.error.json, steps/trainjob.json  each pipeline step's result
@@ -44,7 +44,7 @@ LOGS_DIR = "logs"
 PIPELINE_LOG = "pipeline.log"
 REJECTED = "rejected.jsonl"
 GAVE_UP = "gave_up.json"
-TRAINER_STATUS = "trainer_status.json"  # the TrainJob progress rank 0 reports (trainer.progress)
+TRAINER_STATUS = "trainer_status.json"  # the TrainJob progress rank 0 reports (trainer.observe.progress)
 SYSTEM_DIR = "system"
 
 

@@ -2,8 +2,8 @@
 
 import os
 import time
+from trainer.env import WORKER_STARTED_ENV
 
-WORKER_STARTED_ENV = "RESILIENT_TRAIN_WORKER_STARTED_AT"  # the client's start, for its child's recovery figures
 
 
 def worker_started_at() -> float:

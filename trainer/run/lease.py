@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.run_dir import RunDir, read_json, write_json
+from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
-GENERATION_ENV = "RESILIENT_TRAIN_LEASE_GENERATION"
 
 
 class RunFolderBusy(RuntimeError):

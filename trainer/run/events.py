@@ -12,12 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.lease import GENERATION_ENV
-from trainer.run_dir import RunDir, read_jsonl
-
-RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # restarts of this node's workers by its launcher
-JOB_ATTEMPT_ENV = "RESILIENT_TRAIN_JOB_ATTEMPT"
-IN_PROCESS_ITERATION_ENV = "RESILIENT_TRAIN_IN_PROCESS_ITERATION"
+from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, RESTART_COUNT_ENV
+from trainer.run.run_dir import RunDir, read_jsonl
 
 
 def current_attempt() -> str:
@@ -29,7 +25,7 @@ def current_attempt() -> str:
 
 
 class EventLog:
-    """One rank's events file; with a fence (trainer.lease.Fence), a superseded trainer appends nothing."""
+    """One rank's events file; with a fence (trainer.run.lease.Fence), a superseded trainer appends nothing."""
 
     def __init__(self, run_dir: Path, rank: int, fence=None):
         self.path = RunDir(run_dir).events_of(rank)
@@ -52,3 +48,17 @@ def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]
     records = [record for path in sorted(RunDir(run_dir).events.glob("rank-*.jsonl")) for record in read_jsonl(path)
                if event is None or record.get("event") == event]
     return sorted(records, key=lambda r: r["time"])
+
+
+def run_started_at(run_dir: Path, launched_at: float | None = None) -> float | None:
+    """When this launch of the run started: the one origin of every figure over the run's wall time (the
+    report's goodput and badput, the TrainJob status's goodput, a drill at t=SECONDS).
+
+    The launch's start as its launcher recorded it (`launched_at`; in a trainer process, the train step's start
+    that every process of the launch inherits in BUDGET_SINCE_ENV); else the earliest process start of the
+    launches recorded in the run folder; else None (nothing has started yet)."""
+    if launched_at is None and os.environ.get(BUDGET_SINCE_ENV):
+        launched_at = float(os.environ[BUDGET_SINCE_ENV])
+    if launched_at is not None:
+        return launched_at
+    return min((e["process_started_at"] for e in read_events(run_dir, "launch")), default=None)

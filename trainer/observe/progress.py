@@ -34,16 +34,14 @@ import time
 import urllib.request
 from typing import Any, Callable
 
-from trainer.checkpoint.format import committed_checkpoints
-from trainer.events import read_events
-from trainer.planning.model import Costs, evaluate
-from trainer.run_dir import RunDir, write_json
+from trainer.run import events as run_events
+from trainer.run.events import read_events
+from trainer.planning.goodput import Costs, evaluate
+from trainer.run.run_dir import RunDir, write_json
+from trainer.env import TRAINER_SERVER_CA_CERT_ENV, TRAINER_SERVER_TOKEN_ENV, TRAINER_SERVER_URL_ENV
 
 log = logging.getLogger(__name__)
 
-SERVER_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"
-CA_CERT_ENV = "KUBEFLOW_TRAINER_SERVER_CA_CERT"
-TOKEN_ENV = "KUBEFLOW_TRAINER_SERVER_TOKEN"
 # The TrainJob CRD's limits on status.trainerStatus (Kubeflow Trainer v2.3.0, trainer.kubeflow.org_trainjobs.yaml).
 MAX_METRICS, MAX_CHARS, INT32_MAX = 256, 64, 2**31 - 1
 POST_TIMEOUT_SECONDS = 10.0
@@ -147,16 +145,22 @@ class ProgressReporter:
     """Rank 0's progress; observe(step, metrics, straggler) once per step, finish(step) at the end. A no-op on
     other ranks."""
 
-    def __init__(self, cfg, *, rank: int, nodes: int, run_started_at: float, restarted: bool = False,
+    def __init__(self, cfg, *, rank: int, nodes: int, run_started_at: float | None = None, restarted: bool = False,
+                 last_checkpoint: Callable[[], tuple[int, float] | None] = lambda: None,
                  environ: dict[str, str] | None = None, clock: Callable[[], float] = time.time):
-        """restarted: this launch recovers from a fault (its recovery record comes after its first step)."""
+        """run_started_at: the origin of the goodput (default: trainer.run.events.run_started_at, the report's
+        too); restarted: this launch recovers from a fault (its recovery record comes after its first step);
+        last_checkpoint(): the newest committed checkpoint's (step, commit time), or None."""
         environ = os.environ if environ is None else environ
+        if run_started_at is None:
+            run_started_at = run_events.run_started_at(cfg.run_dir) or clock()
         self.cfg, self.nodes, self.run_started_at, self._clock = cfg, nodes, run_started_at, clock
+        self._last_checkpoint = last_checkpoint
         self.enabled = rank == 0
         self.interval = cfg.kubernetes.progress_interval_seconds
         self.path = RunDir(cfg.run_dir).trainer_status
-        url = environ.get(SERVER_URL_ENV)
-        self.sender = (StatusSender(url, environ.get(TOKEN_ENV), environ.get(CA_CERT_ENV))
+        url = environ.get(TRAINER_SERVER_URL_ENV)
+        self.sender = (StatusSender(url, environ.get(TRAINER_SERVER_TOKEN_ENV), environ.get(TRAINER_SERVER_CA_CERT_ENV))
                        if self.enabled and url else None)
         recoveries = read_events(cfg.run_dir, "recovery") if self.enabled else []
         self._restarts = len(recoveries) + int(restarted)
@@ -189,8 +193,7 @@ class ProgressReporter:
         eta = (expected_remaining_seconds(self.cfg, remaining_steps=num_steps - step, step_seconds=step_seconds,
                                           nodes=self.nodes, restart_seconds=statistics.fmean(self._restart_seconds)
                                           if self._restart_seconds else None) if step_seconds else None)
-        committed = committed_checkpoints(self.cfg.checkpoint_dir)
-        last_checkpoint = committed[-1] if committed else None
+        last_checkpoint = self._last_checkpoint()
         wall = now - self.run_started_at
         self.status = trainer_status(step=step, num_steps=num_steps, eta_seconds=eta, now=now, finished=finished,
                                      metrics={
@@ -199,8 +202,7 @@ class ProgressReporter:
             "goodput": min(1.0, step * step_seconds / wall) if step_seconds and wall > 0 else None,
             "restarts": self._restarts,
             "last_checkpoint_step": last_checkpoint[0] if last_checkpoint else None,
-            "last_checkpoint_age_seconds": (int(now - last_checkpoint[1].stat().st_mtime)
-                                            if last_checkpoint else None),
+            "last_checkpoint_age_seconds": int(now - last_checkpoint[1]) if last_checkpoint else None,
             "straggler": straggler})
         try:
             write_json(self.path, self.status)

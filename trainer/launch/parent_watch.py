@@ -17,9 +17,9 @@ import os
 import signal
 import threading
 import time
+from trainer.env import TORCHELASTIC_RUN_ID_ENV
 
 # Set by torchrun and ft_launcher for every worker they start.
-_LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"
 
 
 def _watch(parent_pid: int, interval_seconds: float) -> None:
@@ -57,7 +57,7 @@ def die_with_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         watch_parent(parent.pid)
-    elif os.environ.get(_LAUNCHER_ENV):
+    elif os.environ.get(TORCHELASTIC_RUN_ID_ENV):
         watch_parent()
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from trainer.resilience import nvrx_compat
 from trainer.config import MODEL_PRESETS, Config
 
-BYTE_VOCAB = 258  # trainer.tokenizer's byte tokenizer: 256 bytes + BOS + EOS
+BYTE_VOCAB = 258  # trainer.data.tokenizer's byte tokenizer: 256 bytes + BOS + EOS
 # What a resume reads per parameter: fp32 weights + AdamW's two fp32 moments.
 CHECKPOINT_BYTES_PER_PARAMETER = 12
 MIN_INITIAL_HEARTBEAT_SECONDS = 120.0

@@ -194,7 +194,7 @@ def effective_stall(tier: Tier, interval: float) -> float:
 
 def write_survives(cls: str, mechanism: str) -> bool:
     """Whether a save in flight still completes: after an exception the process is alive and finishes its write
-    before it exits (trainer.cli closes with the save waited for); not after a process or node dies, and not
+    before it exits (trainer.job.cli closes with the save waited for); not after a process or node dies, and not
     under an in-process restart (the peers may be gone, so it is dropped)."""
     return cls == "exception" and mechanism != "in_process"
 

@@ -1,10 +1,9 @@
-"""Token data: tokenization into shards on disk, and deterministic per-rank batches.
+"""Token shards on disk: documents read, tokenized in parallel and written as shards with their tokens.json.
 
 Shards are flat arrays of token ids (``train.bin`` / ``val.bin``, uint16, or uint32 for vocabularies
 above 65,536) described by ``tokens.json``; a split may also be several shards (``"files"``), read as their
 concatenation.
-A batch is a function of (seed, step, micro-step, rank) only, so resuming at step k needs no saved
-iterator state and replays exactly the batches an uninterrupted run would have seen.
+The batches drawn from them are trainer.data.batches.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import os
 import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -28,8 +26,8 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from trainer.run_dir import write_json
-from trainer.tokenizer import LoadedTokenizer, load_tokenizer
+from trainer.run.run_dir import write_json
+from trainer.data.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +222,6 @@ def combined_content_hash(digests: list[list[str]], val_fraction: float, tokeniz
     return hasher.hexdigest()
 
 
-def content_hash_of(files: list[Path], val_fraction: float, tokenizer_json: str) -> str:
-    """The shards' cache key for these files (see combined_content_hash)."""
-    return combined_content_hash(file_digests(files), val_fraction, tokenizer_json)
-
-
 def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokenizer: str = "byte",
                    workers: int | None = None, *, require_both_splits: bool = True) -> dict:
     """Tokenize raw text files into train/val shards in out_dir; reuses them when the inputs are unchanged.
@@ -306,74 +299,8 @@ def shard_files(split: dict) -> list[str]:
     return list(split["files"]) if "files" in split else [split["file"]]
 
 
-class _Concatenated:
-    """Several token shards read as one array (slices only): the same windows as their concatenation in a file."""
-
-    def __init__(self, parts: list[np.ndarray]):
-        self._parts = parts
-        self._starts = np.cumsum([0] + [len(p) for p in parts])
-
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    def __getitem__(self, window: slice) -> np.ndarray:
-        start, stop, _ = window.indices(len(self))
-        first = int(np.searchsorted(self._starts, start, side="right")) - 1
-        pieces = []
-        while start < stop:
-            offset = start - int(self._starts[first])
-            take = min(stop - start, len(self._parts[first]) - offset)
-            pieces.append(self._parts[first][offset:offset + take])
-            start += take
-            first += 1
-        return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
-
-
 def load_meta(data_dir: Path) -> dict:
     meta_path = Path(data_dir) / META_FILE
     if not meta_path.is_file():
         raise DataError(f"{meta_path} not found: stage the dataset first (the stage step writes it)")
     return json.loads(meta_path.read_text())
-
-
-@dataclass
-class TokenBatches:
-    """Random fixed-length windows from one split, chosen by (seed, step, micro_step, rank)."""
-
-    tokens: np.ndarray
-    seq_len: int
-    batch_size: int
-    seed: int
-
-    @classmethod
-    def open(cls, data_dir: Path, split: str, seq_len: int, batch_size: int, seed: int) -> "TokenBatches":
-        meta = load_meta(data_dir)
-        if split not in meta["splits"]:
-            raise DataError(f"{data_dir}: no {split!r} split in {META_FILE}")
-        paths = [Path(data_dir) / name for name in shard_files(meta["splits"][split])]
-        missing = [str(p) for p in paths if not p.is_file()]
-        if missing:
-            raise DataError(f"{Path(data_dir) / META_FILE} lists {', '.join(missing)}, which does not exist: "
-                            "stage the dataset again")
-        parts = [np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r") for p in paths if p.stat().st_size]
-        tokens = parts[0] if len(parts) == 1 else _Concatenated(parts)  # (none: fewer tokens than a window)
-        path = paths[0] if len(paths) == 1 else f"{paths[0].parent}/{'+'.join(p.name for p in paths)}"
-        if len(tokens) < seq_len + 2:
-            raise DataError(f"{path} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
-        return cls(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed)
-
-    def batch(self, step: int, micro_step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, labels) of shape [batch_size, seq_len] as int64."""
-        rng = np.random.default_rng([self.seed, step, micro_step, rank])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
-        windows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
-        return windows[:, :-1], windows[:, 1:]
-
-    def sequential(self, max_batches: int) -> Iterable[tuple[np.ndarray, np.ndarray]]:
-        """Non-overlapping windows from the start, for evaluation (same batches every time)."""
-        span = self.seq_len + 1
-        count = min(max_batches * self.batch_size, len(self.tokens) // span)
-        for first in range(0, count, self.batch_size):
-            rows = range(first, min(first + self.batch_size, count))
-            windows = np.stack([np.asarray(self.tokens[r * span : (r + 1) * span], dtype=np.int64) for r in rows])
-            yield windows[:, :-1], windows[:, 1:]

@@ -1,0 +1,217 @@
+"""FSx saves, from the hand-off to the commit: the in-flight write, the commit protocol, the S3 upload.
+
+Every rank writes its DCP shards into ``step-N.tmp`` through a backend (trainer.checkpoint.backends). At most
+one save is in flight, its commit included; once a write has completed on every rank, rank 0 commits it
+(manifest with every file's size and xxh3-128 hash, fsync, an atomic rename to ``step-N``) on a background
+thread, then applies retention (trainer.checkpoint.retention). Every ``checkpoint.s3_every`` commits, the
+folder is uploaded on a thread of its own and kept until it is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from trainer.checkpoint.backends import FailedWrite, PendingWrite, forget_cached_save_plans
+from trainer.checkpoint.costs import SaveCosts
+from trainer.checkpoint.format import fsync_dir, step_dir_name, write_manifest
+from trainer.checkpoint.retention import Retention
+from trainer.checkpoint.s3_tier import S3Tier, S3TierError
+from trainer.config import CheckpointConfig
+from trainer.run.events import EventLog
+
+log = logging.getLogger(__name__)
+
+# DCP raises CheckpointException (a BaseException) on every rank when any rank's write failed.
+WRITE_FAILURES = (Exception, CheckpointException)
+
+
+@dataclass
+class _InFlight:
+    step: int
+    staging: Path
+    write: PendingWrite
+    started: float
+    blocking_seconds: float
+    fault_key: str | None = None  # a writer-crash drill armed on this rank for this save
+
+
+class FsxSaves:
+    """Collective (start, poll, wait, close run on every rank). `save_point(point, step)` is called at each
+    sub-step a crash drill names; a `fence` (trainer.run.lease.Fence) stops a superseded trainer before it
+    commits."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, backend: Any,
+                 metadata: dict[str, Any], events: EventLog, costs: SaveCosts, retention: Retention,
+                 s3: S3Tier | None, save_point: Callable[[str, int], str | None], fence=None):
+        self._directory, self._cfg, self._rank, self._backend = Path(directory), cfg, rank, backend
+        self._metadata, self._events, self._costs, self._retention = metadata, events, costs, retention
+        self._s3, self._save_point, self._fence = s3, save_point, fence
+        self.last_saved_step: int | None = None  # the newest save started (and not failed), or resumed from
+        self._in_flight: _InFlight | None = None
+        self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
+        self._commit_future: Future | None = None
+        self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-s3") if rank == 0 else None
+        self._upload_futures: list[Future] = []
+        self._uploading: set[Path] = set()  # kept by retention until sent
+        self._commit_count = 0
+
+    @property
+    def backend_name(self) -> str:
+        return self._backend.name
+
+    def start(self, step: int, state: dict[str, Any]) -> dict[str, float]:
+        """Hand the state to the backend once the previous save (and its commit) is done; what the loop waited
+        for: previous_save_seconds, barrier_seconds, handoff_seconds (sync: the whole write)."""
+        waited_from = time.perf_counter()
+        self.wait()  # at most one save in flight, its commit included: a crash then costs this save only
+        previous_save_seconds = time.perf_counter() - waited_from
+        staging = self._directory / (step_dir_name(step) + ".tmp")
+        if self._rank == 0:
+            if staging.exists():  # left by a crash mid-save: never committed, safe to drop
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        barrier_from = time.perf_counter()
+        dist.barrier()
+        started = time.perf_counter()
+        barrier_seconds = started - barrier_from
+        fault_key = self._save_point("write", step)  # the checkpoint_writer_crash drill: this write fails
+        try:
+            write = self._backend.start(state, staging, fail_with=fault_key)
+        except WRITE_FAILURES as err:  # sync: the write itself failed
+            write = FailedWrite(err)
+        blocking = time.perf_counter() - started
+        self._save_point("shard_write", step)  # async: the shards are being written right now
+        self._in_flight = _InFlight(step, staging, write, started, blocking, fault_key)
+        self.last_saved_step = step
+        if self._cfg.mode == "sync":
+            self._finish_in_flight()
+        return {"previous_save_seconds": previous_save_seconds, "barrier_seconds": barrier_seconds,
+                "handoff_seconds": blocking}
+
+    def poll(self) -> None:
+        """Finish a background write that completed (rank 0 then commits it)."""
+        if self._in_flight is not None and self._in_flight.write.done():
+            self._finish_in_flight()
+
+    def wait(self) -> None:
+        """Finish the save in flight and its commit (not the S3 uploads: see close)."""
+        self._finish_in_flight()
+        if self._commit_future is not None:
+            self._commit_future.result()
+            self._commit_future = None
+
+    def close(self, wait: bool) -> None:
+        """wait=False after a fault: the save in flight is dropped (it stays a .tmp folder, dropped by the next
+        save of that step) and the uploads are not waited for."""
+        if wait:
+            self.wait()
+        else:
+            self._in_flight = None
+        self._backend.close()
+        if self._commits is not None:
+            self._commits.shutdown(wait=True)
+        if self._uploads is not None:
+            self._uploads.shutdown(wait=wait)
+            if wait:
+                # What was kept for uploads, or left by a retention a crash cut short with nothing committed
+                # since (a resume from memory may need no new FSx save before the end).
+                self._retention.apply(self.last_saved_step or 0, self._uploading)
+
+    def _finish_in_flight(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        try:
+            flight.write.wait()
+        except WRITE_FAILURES as err:
+            self._save_failed(flight, err)
+            return
+        write_seconds = time.perf_counter() - flight.started
+        self._events.write("checkpoint_written", step=flight.step, mode=self._backend.name,
+                           blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds)
+        self._costs.written(flight.step, write_seconds - flight.blocking_seconds)
+        if self._rank != 0:
+            return
+        # Rank 0's write completes only after DCP gathered every rank's results and wrote .metadata,
+        # so every shard is on disk: the checkpoint can be committed.
+        if self._commit_future is not None:
+            self._commit_future.result()
+        commit = lambda: self._commit(flight, write_seconds)  # noqa: E731
+        if self._cfg.mode == "sync":
+            commit()
+        else:
+            self._commit_future = self._commits.submit(commit)
+
+    def _save_failed(self, flight: _InFlight, err: BaseException) -> None:
+        """A write that failed on any rank fails on every rank (DCP tells them all): nothing of it is committed,
+        its folder goes, training goes on, and the next save (or the final one) commits."""
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[-1][:2000]  # DCP's last line: the cause
+        log.error("checkpoint step %d failed, not committed (training goes on, the next save commits): %s",
+                  flight.step, cause)
+        self._events.write("checkpoint_failed", step=flight.step, mode=self._backend.name, error=cause,
+                           fault_key=flight.fault_key)
+        self.last_saved_step = None if self.last_saved_step == flight.step else self.last_saved_step
+        forget_cached_save_plans()  # every rank saw this failure: the next save plans afresh on all of them
+        if self._rank == 0:
+            shutil.rmtree(flight.staging, ignore_errors=True)
+
+    def _commit(self, flight: _InFlight, write_seconds: float) -> None:
+        if self._cfg.mode == "async" and self._cfg.background_nice:
+            # Linux nice is per thread: this lowers only the commit thread (hashing), not the training loop.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._cfg.background_nice)
+        started = time.perf_counter()
+        self._save_point("before_manifest", flight.step)
+        manifest = write_manifest(flight.staging, flight.step, self._metadata)  # fsyncs the folder's entries
+        self._save_point("before_rename", flight.step)
+        final = self._directory / step_dir_name(flight.step)
+        replaced = None
+        if final.exists():  # e.g. a step-N that failed verification and was replayed: move it aside first
+            replaced = final.with_name(f"{final.name}.replaced-{int(time.time())}")
+            final.rename(replaced)
+        if self._fence is not None:
+            self._fence.check()
+        flight.staging.rename(final)  # the commit
+        self._save_point("before_parent_fsync", flight.step)
+        fsync_dir(self._directory)
+        self._retention.verified_now(final)  # hashed just now, by us
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        commit_seconds = time.perf_counter() - started
+        self._costs.committed(flight.step, commit_seconds)
+        size = sum(f["bytes"] for f in manifest["files"].values())
+        total = write_seconds + commit_seconds
+        self._events.write("checkpoint_committed", step=flight.step, mode=self._backend.name, path=str(final),
+                           bytes=size, blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds,
+                           commit_seconds=commit_seconds, background_seconds=total - flight.blocking_seconds,
+                           mb_per_second=size / 1e6 / total if total > 0 else None)
+        log.info("checkpoint step %d committed: %s (%.1f MB, loop blocked %.3f s, write %.2f s, commit %.2f s)",
+                 flight.step, final, size / 1e6, flight.blocking_seconds, write_seconds, commit_seconds)
+        self._commit_count += 1
+        if self._s3 is not None and self._commit_count % self._cfg.s3_every == 0:
+            self._uploading.add(final)
+            self._upload_futures.append(self._uploads.submit(self._upload, final, flight.step))
+        self._retention.apply(flight.step, self._uploading)
+
+    def _upload(self, folder: Path, step: int) -> None:
+        try:
+            sent = self._s3.upload(folder, step)
+            self._events.write("checkpoint_uploaded", **sent)
+            log.info("checkpoint step %d uploaded to %s (%.1f MB in %.1f s)", step, sent["uri"], sent["bytes"] / 1e6,
+                     sent["seconds"])
+            self._s3.retain(self._cfg.keep_last)
+        except S3TierError as err:  # the FSx copy stands; the next upload tries again
+            log.error("S3 tier: %s", err)
+            self._events.write("checkpoint_upload_failed", step=step, error=str(err))
+        finally:
+            self._uploading.discard(folder)

@@ -1,0 +1,132 @@
+"""What a drill schedule and the start-up timeouts say, parsed and checked with the config (no process is
+touched here: trainer.resilience.faults fires the faults, trainer.resilience.phases watches the phases).
+
+    faults.schedule = "sigkill@120:rank=1, hang@200, exception@t=30, kill_before_rename@40, exception@150:repeat"
+    resilience.startup_timeouts = "rendezvous=60,restore_fsx=600"
+
+Loop faults fire after a step; save drills act at one sub-step of a save; start-up hangs hang a rank in one
+start-up phase. A schedule item that could never fire is refused when the schedule is parsed.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+STARTUP_PHASES = ("rendezvous", "process_group", "model_build", "restore", "restore_memory", "restore_s3",
+                  "restore_fsx", "first_step")
+# Generous: each bounds one phase of the slowest legitimate start (a 1,000-GPU NCCL set-up, an 8B model's
+# checkpoint from FSx or S3); tests and drills pass short ones.
+DEFAULT_STARTUP_TIMEOUTS = {"rendezvous": 900.0, "process_group": 600.0, "model_build": 1200.0,
+                            "restore": 600.0, "restore_memory": 300.0, "restore_s3": 7200.0, "restore_fsx": 3600.0,
+                            "first_step": 1200.0}
+# The drills: fault type -> the phases it hangs in.
+STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group": ("process_group",),
+                 "hang_in_model_build": ("model_build",),
+                 "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx"),
+                 "hang_in_first_step": ("first_step",)}
+LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
+               "corrupt_memory", "straggler")
+# Save drill -> the sub-step of CheckpointManager.save it acts at (the manager calls save_point(point, step)).
+SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
+              "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
+              "kill_during_retention": "retention"}
+SAVE_FAULTS = {**SAVE_KILLS, "checkpoint_writer_crash": "write"}
+# Sub-steps only rank 0 performs (the commit runs on rank 0's commit thread): a drill there on another rank
+# could never fire.
+RANK_0_SAVE_POINTS = ("before_manifest", "before_rename", "before_parent_fsync", "retention")
+FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS)
+REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
+
+_ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
+                   r"(?P<repeat>:repeat)?$")
+
+
+
+@dataclass(frozen=True)
+class Fault:
+    type: str
+    step: int | None  # fires after this optimizer step completes
+    seconds: float | None  # or once this many seconds of training have passed in the run
+    rank: int
+    repeat: bool = False  # fires on every attempt that is about to train `step` (a crash loop)
+
+    @property
+    def key(self) -> str:
+        when = f"{self.step}" if self.step is not None else f"t={self.seconds}"
+        return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat else "")
+
+
+def parse_schedule(text: str) -> list[Fault]:
+    """The schedule's faults; ValueError naming the bad item."""
+    faults = []
+    for raw in (item.strip() for item in text.split(",")):
+        if not raw:
+            continue
+        match = _ITEM.match(raw)
+        if not match:
+            raise ValueError(f"{raw!r} must look like TYPE@STEP, TYPE@t=SECONDS, optionally followed by :rank=R "
+                             "(e.g. sigkill@120:rank=1)")
+        if match["type"] not in FAULT_TYPES:
+            raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
+        kind, rank = match["type"], int(match["rank"] or 0)
+        if kind in SAVE_FAULTS and match["seconds"]:
+            raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
+        if kind in STARTUP_HANGS and match["seconds"]:
+            raise ValueError(f"{raw!r}: a start-up hang fires in the first start after step STEP (0: the first "
+                             "start), so it takes TYPE@STEP")
+        if kind in SAVE_FAULTS and SAVE_FAULTS[kind] in RANK_0_SAVE_POINTS and rank != 0:
+            raise ValueError(f"{raw!r} could never fire: only rank 0 commits checkpoints (its {SAVE_FAULTS[kind]} "
+                             "sub-step runs nowhere else); drop ':rank=...'")
+        if match["repeat"] and (kind not in REPEATABLE or match["seconds"]):
+            raise ValueError(f"{raw!r}: ':repeat' (a crash loop at one step) takes TYPE@STEP with TYPE one of "
+                             f"{list(REPEATABLE)}")
+        faults.append(Fault(kind, int(match["step"]) if match["step"] else None,
+                            float(match["seconds"]) if match["seconds"] else None, rank, bool(match["repeat"])))
+    return faults
+
+
+def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool) -> str | None:
+    """Why a parsed schedule item could never fire in any run of this job, if one could not (the config refuses
+    it). A step past training.num_steps is not refused: shortening a run should not mean editing its drills;
+    the trainer says which will not fire (FaultInjector)."""
+    for fault in faults:
+        if fault.rank >= world_size:
+            return f"{fault.key} could never fire: rank {fault.rank} does not exist (the job has {world_size} ranks)"
+        if fault.type in SAVE_FAULTS and not checkpoints:
+            return f"{fault.key} could never fire: checkpoint.enabled is false, so no save happens"
+    return None
+
+
+def random_schedule(num_steps: int, mtbf_steps: float, types: list[str], world_size: int, seed: int) -> list[Fault]:
+    """Exponential inter-arrival steps (mean mtbf_steps), types and ranks drawn from a seeded RNG."""
+    rng = random.Random(seed)
+    faults, step = [], 0.0
+    while True:
+        step += rng.expovariate(1.0 / mtbf_steps)
+        if step >= num_steps:
+            return faults
+        kind, rank = rng.choice(types), rng.randrange(world_size)
+        if SAVE_FAULTS.get(kind) in RANK_0_SAVE_POINTS:
+            rank = 0  # only rank 0 commits
+        faults.append(Fault(kind, max(1, int(step)), None, rank))
+
+
+def parse_startup_timeouts(text: str) -> dict[str, float]:
+    """'phase=seconds,...' over the defaults; ValueError naming the bad item."""
+    timeouts = dict(DEFAULT_STARTUP_TIMEOUTS)
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in STARTUP_PHASES:
+            raise ValueError(f"{item!r} must look like PHASE=SECONDS with PHASE one of {list(STARTUP_PHASES)}")
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {value!r} is not a number of seconds") from None
+        if not seconds > 0:
+            raise ValueError(f"{item!r}: the timeout must be > 0 seconds")
+        timeouts[name.strip()] = seconds
+    return timeouts

@@ -1,0 +1,2 @@
+"""The data: tokenizers (tokenizer.py), token shards on disk (shards.py), and the batches a rank trains on
+(batches.py)."""

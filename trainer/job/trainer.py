@@ -1,0 +1,245 @@
+"""The Trainer: FSDP2 training of a Llama-architecture model in one process of a job (one rank).
+
+    trainer = Trainer(cfg, data_dir)   # process group, lease, model, optimizer, data, checkpointing
+    trainer.train()                    # resume, then step until training.num_steps; result.json at the end
+    trainer.close()
+
+Collaborators are attributes by role, built by the start-up (trainer.job.startup): `checkpointer`
+(trainer.checkpoint.manager) owns saving and where a run resumes from; `resilience` (trainer.resilience.hooks)
+gets one call per step; `telemetry` serves /metrics; `fence` stops a superseded trainer. This module holds the
+state, the resume and the loop; the command line is trainer.job.cli.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.checkpoint import reads as checkpoint_reads
+from trainer.checkpoint.format import step_dir_name
+from trainer.config import Config
+from trainer.job.startup import start_process
+from trainer.model.llama import copy_initial_weights, load_or_build_model
+from trainer.model.optimizer import initialize_state
+from trainer.resilience.in_process import InProcessAttempt
+from trainer.run.lease import Fence
+from trainer.run.run_dir import write_json
+
+log = logging.getLogger("trainer")
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at num_steps (step is 0-based)."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Trainer:
+    """Owns the model, optimizer, data and checkpointing of one training process."""
+
+    def __init__(self, cfg: Config, data_dir: Path, in_process: InProcessAttempt | None = None):
+        self.cfg = cfg
+        self.in_process = in_process
+        self.data_dir = Path(data_dir)
+        self.step = 0  # optimizer steps completed
+        self.last_loss = float("nan")
+        started = start_process(cfg, self.data_dir, in_process, step_of=lambda: self.step)
+        # the process in its job
+        self.rank, self.world_size, self.device = started.rank, started.world_size, started.device
+        self.watchdog, self.fence, self._own_lease = started.watchdog, started.fence, started.own_lease
+        self.run_dir, self.events, self.restart_budget = started.run_dir, started.events, started.restart_budget
+        # the model and its data
+        self.model, self.model_config, self.optimizer = started.model, started.model_config, started.optimizer
+        self.batches = started.batches
+        self._build_model_args, self._weights_pending = started.build_model_args, started.weights_pending
+        # what runs beside the loop, each touched by it in one place
+        self.telemetry, self.resilience, self.checkpointer = started.telemetry, started.resilience, started.checkpointer
+        self.interval_planner, self.progress, self._prefetch = (started.interval_planner, started.progress,
+                                                                 started.prefetch)
+
+    # -- state -------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        # Tensors, not Python numbers: DCP stores non-tensor items with pickle. RNG state differs per rank,
+        # and DCP de-duplicates equal keys across ranks, hence the rank in the key.
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"model": model_state, "optim": optim_state,
+                "trainer": {"step": torch.tensor(self.step), "last_loss": torch.tensor(self.last_loss)},
+                "rng": {f"rank{self.rank}": rng}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.step = int(state["trainer"]["step"])
+        self.last_loss = float(state["trainer"]["last_loss"])
+        rng = state["rng"].get(f"rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def resume(self) -> None:
+        """Take up the newest state there is; the checkpoint manager decides which (and says why)."""
+        load_started, started, read_before = time.time(), time.perf_counter(), checkpoint_reads.bytes_read()
+        state = self.state_dict()
+        step, source = self.checkpointer.load_latest(state)
+        load_seconds = time.perf_counter() - started
+        prefetched = (self._prefetch.figures() if self._prefetch is not None
+                      else {"prefetch_seconds": 0.0, "prefetch_bytes": 0})
+        # Every rank's bytes (what the file system served this resume), the slowest rank's seconds.
+        totals = torch.tensor([checkpoint_reads.bytes_read() - read_before + prefetched["prefetch_bytes"]],
+                              dtype=torch.int64, device=self.device)
+        dist.all_reduce(totals)
+        slowest = torch.tensor([load_seconds, prefetched["prefetch_seconds"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        restore = {"fsx_bytes_read": int(totals.item()), "restore_seconds": float(slowest[0]),
+                   "restore_overlapped_seconds": float(slowest[1])}
+        if restore["fsx_bytes_read"]:
+            # The files were read in the prefetch (hidden behind start-up) and the load: the read's own rate.
+            restore["restore_gb_per_second"] = restore["fsx_bytes_read"] / 1e9 / max(1e-9, float(slowest.sum()))
+            log.info("restore: %.2f GB from FSx, %.1f s of start-up waited for it (%.1f s overlapped), %.2f GB/s",
+                     restore["fsx_bytes_read"] / 1e9, restore["restore_seconds"],
+                     restore["restore_overlapped_seconds"], restore["restore_gb_per_second"])
+        self.restart_budget.check(step if source != "none" else 0)  # did the recoveries before this one progress?
+        if source != "none":
+            self.load_state_dict(state)
+            log.info("resuming at step %d (state from %s)", self.step, source)
+        elif self._weights_pending:  # nothing to resume from after all: the weights a normal build gives
+            copy_initial_weights(self.model, load_or_build_model(**self._build_model_args, seed=self.cfg.run.seed))
+            # A checkpoint that failed its hashes part-way through the load (they are checked as it is read)
+            # may have written into the optimizer's state too: a fresh run starts from a fresh one.
+            self.optimizer.state.clear()
+            initialize_state(self.optimizer)
+        self._weights_pending = False
+        self.resilience.note_resume(step if source != "none" else None, load_started, load_seconds, source, **restore)
+
+    # -- loop --------------------------------------------------------------------------------------
+
+    def train_step(self) -> dict[str, float]:
+        t = self.cfg.training
+        started = time.perf_counter()
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        # Timed sections (trainer.resilience.straggler): each rank's own work; the loss's all-reduce stays out.
+        with self.resilience.section("data"):
+            micro_batches = [self.batches.batch(self.step, micro, self.rank) for micro in range(t.grad_accum_steps)]
+        data_seconds = time.perf_counter() - started
+        with self.resilience.section("forward_backward"):
+            for inputs, labels in micro_batches:
+                inputs = torch.from_numpy(inputs).to(self.device)
+                labels = torch.from_numpy(labels).to(self.device)
+                logits = self.model(input_ids=inputs).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+                (loss / t.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                       t.grad_clip if t.grad_clip > 0 else float("inf"))
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        with self.resilience.section("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.world_size > 1:  # note: a sync point; the loss is averaged over ranks only for reporting
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        self.step += 1
+        self.last_loss = loss_sum.item() / t.grad_accum_steps
+        seconds = time.perf_counter() - started
+        tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
+        return {"step": self.step, "loss": self.last_loss, "lr": lr,
+                "grad_norm": float(grad_norm), "step_seconds": seconds, "data_seconds": data_seconds,
+                "tokens_per_second": tokens / seconds}
+
+    def should_continue_training(self) -> bool:
+        return self.step < self.cfg.training.num_steps
+
+    def train(self) -> dict[str, Any]:
+        with self.watchdog.phase("restore"):  # the tiers it reads are phases of their own inside it
+            self.resume()
+        self.watchdog.enter("first_step")
+        started_at_step, started = self.step, time.perf_counter()
+        with _MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
+            while self.should_continue_training():
+                metrics = self.train_step()
+                self.watchdog.close()  # start-up is over: ft_launcher's heartbeats watch the loop
+                writer.write(metrics)
+                if self.step % self.cfg.training.log_every == 0 or self.step == 1:
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
+                             self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
+                             metrics["tokens_per_second"])
+                self.interval_planner.before_save(self.step, metrics["step_seconds"])
+                save_started = time.perf_counter()
+                with self.resilience.section("checkpoint_wait"):
+                    saved = self.checkpointer.save(self.step, self.state_dict,
+                                                   last=not self.should_continue_training())
+                self.telemetry.observe_step(metrics, time.perf_counter() - save_started if saved else None)
+                self.resilience.after_step(self.step)
+                self.progress.observe(self.step, metrics, straggler=self.resilience.stragglers.current)
+        tail_started = time.perf_counter()
+        self.checkpointer.save_final(self.step, self.state_dict)
+        self.progress.finish(self.step, {"loss": self.last_loss}, straggler=self.resilience.stragglers.current)
+        result = {"final_checkpoint_wait_seconds": time.perf_counter() - tail_started,
+                  "steps": self.step, "steps_this_launch": self.step - started_at_step,
+                  "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
+                  "checkpoint_dir": str(self.cfg.checkpoint_dir),
+                  "checkpoint": (str(self.cfg.checkpoint_dir / step_dir_name(self.step))
+                                 if self.checkpointer.enabled else None),
+                  "world_size": self.world_size,
+                  "num_parameters": sum(p.numel() for p in self.model.parameters()),
+                  "metrics_file": str(self.run_dir.metrics), "finished_at": time.time()}
+        if self.rank == 0:
+            write_json(self.run_dir.result, result)
+        return result
+
+    def close(self, wait_for_checkpoint: bool = True, peers_alive: bool = True) -> None:
+        """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped.
+        peers_alive=False: whatever waits on another rank (a peer replica round) is dropped — a node lost
+        mid-round never answers, and waiting for it would hang this rank instead of letting it restart."""
+        self.watchdog.close()
+        self.resilience.close()
+        self.checkpointer.close(wait=wait_for_checkpoint, peers_alive=peers_alive)
+        if self._own_lease is not None:
+            self._own_lease.release()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _MetricsWriter:
+    """Appends one JSON line per step (rank 0 only); the file survives restarts and is appended to."""
+
+    def __init__(self, path: Path | None, fence: Fence):
+        self.path = path
+        self.fence = fence
+        self.handle = None
+
+    def __enter__(self) -> "_MetricsWriter":
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = self.path.open("a")
+        return self
+
+    def write(self, record: dict[str, float]) -> None:
+        if self.handle is not None:
+            self.fence.check()  # a superseded trainer appends nothing
+            self.handle.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.handle.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.close()

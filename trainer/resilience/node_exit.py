@@ -1,0 +1,51 @@
+"""A worker takes its whole node down: the node_loss drill, and a straggler's replacement
+(resilience.on_straggler=replace_node). Everything the node runs dies at once, as when the machine is lost;
+the node's launcher (trainer.launch.launcher) marks each of its processes with the node's token."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import psutil
+
+from trainer.env import NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV
+
+log = logging.getLogger(__name__)
+
+
+def kill_this_node(reason: str) -> None:
+    """The node_loss drill on a node of a multi-node job: everything the node runs dies at once — its launcher
+    first (so it restarts nothing), then every process started under it — and its node memory is wiped, as
+    when the machine is lost. Does not return."""
+    log.warning("node %s is lost (%s): its launcher, its workers and its node memory go", os.environ.get(
+        NODE_RANK_ENV, "?"), reason)
+    launcher = int(os.environ[NODE_LAUNCHER_PID_ENV])
+    with _ignore_gone():
+        os.kill(launcher, signal.SIGKILL)
+    if os.environ.get(NODE_STORE_ENV):
+        shutil.rmtree(Path(os.environ[NODE_STORE_ENV]), ignore_errors=True)
+    token = os.environ[NODE_TOKEN_ENV]
+    for proc in psutil.process_iter():
+        with _ignore_gone():
+            if proc.pid != os.getpid() and proc.environ().get(NODE_TOKEN_ENV) == token:
+                proc.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_a_node_of_many() -> bool:
+    """Whether this worker runs under a launcher of a multi-node job (a node of its own, not every rank)."""
+    return bool(os.environ.get(NODE_LAUNCHER_PID_ENV)) and \
+        int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0) < int(os.environ.get("WORLD_SIZE", 0) or 0)
+
+
+class _ignore_gone:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        return kind is not None and issubclass(kind, (ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied,
+                                                      psutil.ZombieProcess))
