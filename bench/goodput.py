@@ -39,13 +39,13 @@ from pathlib import Path
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train.local import run_local_training  # noqa: E402
-from trainer.observe import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.run.events import read_events  # noqa: E402
-from trainer.planning.measured import badput_breakdown, kept_metrics, measured_costs  # noqa: E402
-from trainer.planning.goodput import CONFIGURATION_NAMES, CONFIGURATIONS, Costs  # noqa: E402
-from trainer.planning.simulate import simulate  # noqa: E402
 from trainer.config.drills import random_schedule  # noqa: E402
+from trainer.observe import logs  # noqa: E402
+from trainer.planning.goodput import CONFIGURATION_NAMES, CONFIGURATIONS, Costs  # noqa: E402
+from trainer.planning.measured import badput_breakdown, kept_metrics, measured_costs  # noqa: E402
+from trainer.planning.simulate import simulate  # noqa: E402
+from trainer.run.events import read_events  # noqa: E402
 from trainer.run.run_dir import RunDir, read_jsonl  # noqa: E402
 
 log = logging.getLogger("bench.goodput")

@@ -54,8 +54,8 @@ from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is
 
 from components.train.local import run_local_training  # noqa: E402
 from components.train.report import read_metrics  # noqa: E402
-from trainer.observe import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.observe import logs  # noqa: E402
 from trainer.run.events import read_events  # noqa: E402
 from trainer.run.run_dir import RunDir  # noqa: E402
 

@@ -30,10 +30,11 @@ from pathlib import Path
 
 from common import ROOT, write_results  # noqa: E402  (bench/ is the script's folder)
 
-from components.stage.staging import copy_from_s3, list_objects, s3_client, select_objects, stage_dataset  # noqa: E402
+from components.stage.s3_copy import copy_from_s3, list_objects, s3_client, select_objects  # noqa: E402
+from components.stage.staging import stage_dataset  # noqa: E402
 from pipelines.local_stack import S3Server, free_port  # noqa: E402
-from trainer.observe import logs  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.observe import logs  # noqa: E402
 
 log = logging.getLogger("bench.staging")
 

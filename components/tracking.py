@@ -42,28 +42,17 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-import requests
-
+from components.mlflow_server import PARENT, MlflowServer, TrackingUnavailable, is_outage
 from trainer.run.run_dir import RunDir, read_json, read_jsonl, write_atomic, write_json
 
 log = logging.getLogger(__name__)
 
-PIPELINE_RUN_TAG = "pipeline_run_id"
-STEP_TAG = "pipeline_step"
-SPOOL_KEY_TAG = "spool_key"
-PARENT = "pipeline"  # the spool's name for the parent run
 DELIVERER_LOCK = "deliverer.lock"  # held by a live SpoolDeliverer (components.delivery)
 DELIVERER_UNREACHABLE = "deliverer.unreachable"  # present while that deliverer cannot reach the server
-_METRICS_PER_CALL = 1000  # MLflow's log_batch limits
-_PARAMS_PER_CALL = 100
 
 # Bounded client retries: an outage is the spool's business, not something to wait minutes for in a step.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-
-
-class TrackingUnavailable(Exception):
-    """The tracking server could not be reached; the record stays spooled."""
 
 
 def flatten(config: dict[str, Any]) -> dict[str, str]:
@@ -91,7 +80,8 @@ class Tracker:
         self.journal = self.spool / "journal.jsonl"
         self.state_path = self.spool / "delivered.json"
         self.rejected_path = RunDir(run_dir).rejected
-        self._client = None
+        self.server = MlflowServer(tracking_uri, experiment, pipeline_run_id, artifact_location,
+                                   tables_dir=self.spool / "tables")
         self._warned = False
 
     # -- what the steps call -------------------------------------------------------------------------
@@ -183,6 +173,10 @@ class Tracker:
         if self._undelivered_bytes():
             self.flush()
 
+    def connect(self) -> None:
+        """Import MLflow's client and open its store now (a deliverer warms up while the first steps start)."""
+        self.server.connect()
+
     def _undelivered_bytes(self) -> int:
         offset, size = self._state().get("offset"), self.journal.stat().st_size if self.journal.is_file() else 0
         return 1 if offset is None else max(0, size - offset)
@@ -241,7 +235,7 @@ class Tracker:
             if not lines:
                 return True
             try:
-                self._check_reachable()
+                self.server.check_reachable()
                 for line in lines:
                     op = json.loads(line)
                     refusal = self._try_deliver(op, state)
@@ -272,7 +266,7 @@ class Tracker:
         with self._locked():
             state = self._state()
             records = read_jsonl(self.rejected_path)
-            self._check_reachable()
+            self.server.check_reachable()
             still = []
             for index, op in enumerate(records):
                 op = {k: v for k, v in op.items() if k != "error"}
@@ -292,7 +286,7 @@ class Tracker:
     def _rewrite_rejected(self, records: list[dict[str, Any]]) -> None:
         write_atomic(self.rejected_path, "".join(json.dumps(r) + "\n" for r in records))
 
-    # -- delivery ------------------------------------------------------------------------------------
+    # -- delivery (what the server does with a record: components.mlflow_server) ----------------------------------
 
     def _try_deliver(self, op: dict[str, Any], state: dict[str, Any]) -> str | None:
         """Deliver one record: None when delivered, the reason when refused; TrackingUnavailable when the
@@ -301,7 +295,7 @@ class Tracker:
         if blocker is not None:
             return f"not tried: {blocker}'s start_run was refused earlier (retried with it by --retry-rejected)"
         try:
-            self._deliver(op, state)
+            self.server.deliver(op, state)
         except Exception as err:  # noqa: BLE001 - sorted here: outage or refusal
             if is_outage(err):
                 raise TrackingUnavailable(str(err)) from err
@@ -316,132 +310,3 @@ class Tracker:
         if op["run"] != PARENT and PARENT not in state["runs"]:
             return "the pipeline's parent run"
         return None
-
-    def _mlflow(self):
-        if self._client is None:
-            from mlflow.tracking import MlflowClient  # mlflow: 1.4 s to import, and the spool works without it
-
-            self._client = MlflowClient(tracking_uri=self.tracking_uri)
-        return self._client
-
-    def connect(self) -> None:
-        """Import MLflow's client and open its store now (a deliverer warms up while the first steps start)."""
-        self._check_reachable()
-        self._mlflow().search_experiments(max_results=1)
-
-    def _check_reachable(self) -> None:
-        if not self.tracking_uri.startswith(("http://", "https://")):
-            return  # a local store: errors surface from the calls themselves
-        try:
-            requests.get(self.tracking_uri.rstrip("/") + "/health", timeout=3)
-        except requests.RequestException as err:
-            raise TrackingUnavailable(str(err)) from err
-
-    def _experiment_id(self) -> str:
-        """Get or create, safe when several runs start at once: losing the race to create is not an error."""
-        from mlflow.exceptions import MlflowException  # mlflow: 1.4 s to import, and the spool works without it
-
-        client = self._mlflow()
-        experiment = client.get_experiment_by_name(self.experiment)
-        if experiment is not None:
-            return experiment.experiment_id
-        try:
-            return client.create_experiment(self.experiment, artifact_location=self.artifact_location or None)
-        except MlflowException as err:
-            if err.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise
-            return client.get_experiment_by_name(self.experiment).experiment_id
-
-    def _find_run(self, tags: dict[str, str]):
-        experiment = self._mlflow().get_experiment_by_name(self.experiment)
-        if experiment is None:
-            return None
-        filter_string = " and ".join(f"tags.{key} = '{value}'" for key, value in tags.items())
-        runs = self._mlflow().search_runs([experiment.experiment_id], filter_string=filter_string, max_results=1)
-        return runs[0] if runs else None
-
-    def _deliver(self, op: dict[str, Any], state: dict[str, Any]) -> None:
-        from mlflow.entities import Metric, RunTag  # mlflow: 1.4 s to import, and the spool works without it
-
-        client = self._mlflow()
-        if op["op"] == "start_run":
-            state["runs"][op["run"]] = self._create_or_find_run(op, state)
-            return
-        run_id = state["runs"][op["run"]]  # _blocked_by checked that it exists
-        if op["op"] == "metrics":
-            metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in op["rows"]]
-            for start in range(0, len(metrics), _METRICS_PER_CALL):
-                client.log_batch(run_id, metrics=metrics[start : start + _METRICS_PER_CALL])
-        elif op["op"] == "tags":
-            client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in op["tags"].items()])
-        elif op["op"] == "artifact":
-            client.log_artifact(run_id, op["path"], op["artifact_path"])
-        elif op["op"] == "table":
-            self._replace_table(run_id, op["data"], op["artifact_file"])
-        elif op["op"] == "end_run":
-            client.set_terminated(run_id, status=op["status"], end_time=int(op["time"] * 1000))
-        else:
-            raise AssertionError(f"unknown spool record {op['op']}")
-
-    def _replace_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
-        """The whole table, in log_table's own format (pandas' split orientation) and with its UI tag, replacing
-        the last one: log_table itself appends to an existing file, so a live table would repeat rows."""
-        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS  # mlflow: see _mlflow
-
-        columns = list(data)
-        rows = [list(row) for row in zip(*(data[c] for c in columns))]
-        folder = self.spool / "tables" / uuid.uuid4().hex
-        folder.mkdir(parents=True)
-        try:
-            (folder / Path(artifact_file).name).write_text(json.dumps({"columns": columns, "data": rows}, default=str))
-            parent = str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None
-            self._mlflow().log_artifact(run_id, str(folder / Path(artifact_file).name), parent)
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        tagged = json.loads(self._mlflow().get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
-        if {"path": artifact_file, "type": "table"} not in tagged:
-            tagged.append({"path": artifact_file, "type": "table"})
-            self._mlflow().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tagged))
-
-    def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
-        from mlflow.entities import Param  # mlflow: 1.4 s to import, and the spool works without it
-
-        client = self._mlflow()
-        if op["run"] == PARENT:
-            identity = {PIPELINE_RUN_TAG: self.pipeline_run_id, STEP_TAG: PARENT}
-            tags = {**identity, **op["tags"]}
-            name = self.pipeline_run_id
-        else:
-            identity = {SPOOL_KEY_TAG: op["run"], PIPELINE_RUN_TAG: self.pipeline_run_id}
-            parent = state["runs"][PARENT]
-            tags = {**identity, "mlflow.parentRunId": parent, PIPELINE_RUN_TAG: self.pipeline_run_id,
-                    STEP_TAG: op["step"]}
-            name = op["step"]
-        existing = self._find_run(identity)
-        if existing is not None:
-            run_id = existing.info.run_id
-            if op["run"] != PARENT and existing.info.status != "RUNNING":  # a retried step, in the run it had
-                client.update_run(run_id, status="RUNNING")
-        else:
-            run_id = client.create_run(self._experiment_id(), run_name=name, tags=tags,
-                                       start_time=int(op["time"] * 1000)).info.run_id
-        params = [Param(k, v) for k, v in op["params"].items()]
-        for start in range(0, len(params), _PARAMS_PER_CALL):
-            client.log_batch(run_id, params=params[start : start + _PARAMS_PER_CALL])
-        return run_id
-
-
-def is_outage(err: Exception) -> bool:
-    """Connection failures and 5xx/429 answers are outages (retry later); other refusals are not."""
-    import sqlalchemy.exc  # with mlflow (see _mlflow): only once a delivery failed
-    from mlflow.exceptions import MlflowException, RestException
-
-    if isinstance(err, (requests.RequestException, ConnectionError, TimeoutError, sqlalchemy.exc.OperationalError)):
-        return True  # OperationalError: a local store that is locked or on a missing volume
-    if isinstance(err, RestException):
-        return err.get_http_status_code() >= 500 or err.get_http_status_code() == 429
-    if isinstance(err, MlflowException):
-        text = str(err)
-        return any(marker in text for marker in ("Max retries exceeded", "Connection", "timed out", "API request to"))
-    return False
-

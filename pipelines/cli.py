@@ -29,17 +29,17 @@ from pathlib import Path
 from kfp import compiler
 
 from components.context import tracker
-from components.tracking import TrackingUnavailable
+from components.mlflow_server import TrackingUnavailable
 from pipelines import submit as kfp_submit
 from pipelines.compare import compare_runs, comparison_plot, render
 from pipelines.console import print_summary
 from pipelines.local_run import STAGE_ERRORS, run_locally, stage_locally
 from pipelines.pipeline import build_pipeline
-from pipelines.plan import add_arguments as add_plan_arguments
 from pipelines.plan import __doc__ as plan_doc
+from pipelines.plan import add_arguments as add_plan_arguments
 from pipelines.plan import plan_command
-from trainer.observe import logs
 from trainer.config import Config, ConfigError, load_config
+from trainer.observe import logs
 from trainer.planning.goodput import PlanError
 from trainer.run.run_dir import RunDir
 

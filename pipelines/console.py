@@ -27,10 +27,10 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from pipelines.pipeline import DISPLAY_NAMES
 from components.run_metrics import opens_a_streak
-from trainer.run.events import read_events
+from pipelines.pipeline import DISPLAY_NAMES
 from trainer.observe.logs import LOG_FORMAT
+from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
 from trainer.run.tail import read_new_lines
 

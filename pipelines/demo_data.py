@@ -12,7 +12,7 @@ import random
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from components.stage.staging import s3_client, s3_error
+from components.stage.s3_copy import s3_client, s3_error
 
 log = logging.getLogger(__name__)
 

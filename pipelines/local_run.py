@@ -17,7 +17,8 @@ import kfp.local
 from components.context import tracker
 from components.delivery import SpoolDeliverer
 from components.stage.fsx import FsxError
-from components.stage.staging import STAGE_MANIFEST, StageError
+from components.stage.s3_copy import StageError
+from components.stage.staging import STAGE_MANIFEST
 from components.stage.step import run_stage
 from pipelines.console import PipelineConsole
 from pipelines.demo_data import DemoUploadError, upload_demo_data

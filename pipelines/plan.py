@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from trainer.planning.goodput import CONFIGURATIONS, Costs, PlanError, Plan, make_plan
+from trainer.planning.goodput import CONFIGURATIONS, Costs, Plan, PlanError, make_plan
 from trainer.planning.simulate import FailureModel, simulate_many
 from trainer.planning.survival import job_survival, pod_restart_budget, simulate_survival
 

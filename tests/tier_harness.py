@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from trainer.checkpoint.node_store import flatten
+from trainer.checkpoint.state_bytes import flatten
 from trainer.config import load_config
 from trainer.job.trainer import Trainer
 

@@ -4,8 +4,8 @@ fork of the node's warm server when the launcher started one (trainer.warm_start
 import os
 import sys
 
-from trainer.launch.parent_watch import die_with_parent
 from trainer.env import WARM_START_ENV
+from trainer.launch.parent_watch import die_with_parent
 from trainer.launch.warm_start import run_in_fork_server
 
 # Module level on purpose: DCP's writer and NVRx's workers start with `spawn`, which re-imports this module

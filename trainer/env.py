@@ -8,6 +8,8 @@ can read them without paying for the rest of the trainer. Who sets each one is s
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # restarts of this node's workers by its launcher
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # the elastic run: set only under a launcher
 NODE_RANK_ENV = "PET_NODE_RANK"  # which node this is (Kubeflow Trainer's torch runtime; the local runner too)
+NUM_NODES_ENV = "PET_NNODES"  # how many nodes (the same runtime's; the local runner too)
+FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by NVRx's ft_launcher for each worker it monitors
 
 # -- set by the train step for every process of one launch (components/train) ----------------------------
 LAUNCHER_ENV = "RESILIENT_TRAIN_LAUNCHER"  # resilience.launcher: ft_launcher or torchrun

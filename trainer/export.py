@@ -1,7 +1,7 @@
-"""`python -m trainer.export`: a checkpoint exported as a Hugging Face model (trainer.checkpoint.export).
+"""`python -m trainer.export`: a checkpoint exported as a Hugging Face model.
 
 A stable entry point: rendered manifests and running jobs' pod specs carry this command, so it keeps working
-when the code behind it moves. Nothing else belongs here; import trainer.checkpoint.export instead."""
+when the code behind it moves. The code is trainer.checkpoint.export; import that, not this."""
 
 import sys
 

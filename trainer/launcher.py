@@ -1,7 +1,7 @@
-"""`python -m trainer.launcher`: a node's launcher: ft_launcher or torchrun under the node's lifetime rules (trainer.launch.launcher).
+"""`python -m trainer.launcher`: a node's launcher (ft_launcher or torchrun under the node's lifetime rules).
 
 A stable entry point: rendered manifests and running jobs' pod specs carry this command, so it keeps working
-when the code behind it moves. Nothing else belongs here; import trainer.launch.launcher instead."""
+when the code behind it moves. The code is trainer.launch.launcher; import that, not this."""
 
 import sys
 

@@ -1,7 +1,7 @@
-"""`python -m trainer.node_health`: whether this node is fit to train (the warm spares' check) (trainer.launch.node_health).
+"""`python -m trainer.node_health`: is this node fit to train? (the warm spares' check).
 
 A stable entry point: rendered manifests and running jobs' pod specs carry this command, so it keeps working
-when the code behind it moves. Nothing else belongs here; import trainer.launch.node_health instead."""
+when the code behind it moves. The code is trainer.launch.node_health; import that, not this."""
 
 import sys
 

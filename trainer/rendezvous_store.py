@@ -1,7 +1,7 @@
-"""`python -m trainer.rendezvous_store`: the job's rendezvous store, outside every training node (trainer.launch.rendezvous_store).
+"""`python -m trainer.rendezvous_store`: the job's rendezvous store, outside every training node.
 
 A stable entry point: rendered manifests and running jobs' pod specs carry this command, so it keeps working
-when the code behind it moves. Nothing else belongs here; import trainer.launch.rendezvous_store instead."""
+when the code behind it moves. The code is trainer.launch.rendezvous_store; import that, not this."""
 
 import sys
 

@@ -1,7 +1,7 @@
-"""`python -m trainer.warm_start`: a node's fork server, started by its launcher (trainer.launch.warm_start).
+"""`python -m trainer.warm_start`: a node's fork server, started by its launcher.
 
 A stable entry point: rendered manifests and running jobs' pod specs carry this command, so it keeps working
-when the code behind it moves. Nothing else belongs here; import trainer.launch.warm_start instead."""
+when the code behind it moves. The code is trainer.launch.warm_start; import that, not this."""
 
 import sys
 

@@ -12,8 +12,9 @@ from components import tracking
 from components.context import step_context, write_step_result
 from components.evaluate.heldout import evaluate_checkpoint, heldout_loss
 from components.evaluate.promotion import GateDecision, promote_if_better
-from trainer.config import Config
+from components.mlflow_server import is_outage
 from trainer.checkpoint.export import export_hf
+from trainer.config import Config
 from trainer.run.run_dir import RunDir, write_json
 
 
@@ -61,7 +62,7 @@ def _promotion_gate(cfg: Config, mlflow: tracking.Tracker, run: str, checkpoint:
             tags={"pipeline_run_id": cfg.run.run_id, "checkpoint": checkpoint, "step": str(result["step"])},
             wait_seconds=cfg.eval.promotion_wait_seconds)
     except Exception as err:  # noqa: BLE001 - only outages are deferred; everything else fails the step
-        if not tracking.is_outage(err):
+        if not is_outage(err):
             raise
         return GateDecision(False, f"deferred: MLflow became unreachable during the gate ({err}); re-evaluate later",
                             result["heldout_loss"], threshold=cfg.eval.promotion_threshold).as_dict()

@@ -16,8 +16,8 @@ from components.context import read_step_result, tracker
 from components.stage.staging import STAGE_ERROR
 from components.train.trainjob import delete_unfinished_trainjob
 from trainer.config import Config
-from trainer.run.events import read_events
 from trainer.resilience.budget import read_gave_up
+from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer.data.shards import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, load_meta, shard_files, tokenize_files)
-from trainer.run.run_dir import write_json
+from trainer.data.shards import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, load_meta,
+                                 shard_files, tokenize_files)
 from trainer.data.tokenizer import load_tokenizer
+from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
 

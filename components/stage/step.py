@@ -13,8 +13,9 @@ from typing import Any, Iterator
 
 from components import tracking
 from components.context import step_context, write_step_result
+from components.stage.s3_copy import StageError
 from components.stage.shards import collect_shards, dataset_lock, tokenize_group
-from components.stage.staging import STAGE_ERROR, STAGE_MANIFEST, StageError, stage_dataset
+from components.stage.staging import STAGE_ERROR, STAGE_MANIFEST, stage_dataset
 from trainer.config import Config
 from trainer.run.run_dir import read_json, write_json
 

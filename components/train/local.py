@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from components.train.nodes import launch_nodes
-from trainer.env import JOB_TOKEN_ENV, RUN_DIR_ENV
-from components.train.processes import (CrashLoop, JobCancelled, LaunchOutput, TrainingError, TrainingTimeout, cancel_on_sigterm, job_processes, launch_env, raise_for_exit, stop_job)
+from components.train.processes import (CrashLoop, JobCancelled, LaunchOutput, TrainingError, TrainingTimeout,
+                                        cancel_on_sigterm, job_processes, launch_env, raise_for_exit, stop_job)
 from components.train.report import training_report
 from trainer.config import Config
+from trainer.env import JOB_TOKEN_ENV, RUN_DIR_ENV
 from trainer.launch.command import initial_heartbeat_timeout, trainer_command
-from trainer.run.lease import RunLease
 from trainer.resilience.budget import attempt_history
+from trainer.run.lease import RunLease
 from trainer.run.run_dir import RunDir, read_json
 
 log = logging.getLogger(__name__)

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import psutil
 
-from trainer.env import JOB_TOKEN_ENV
-from components.train.processes import (LaunchOutput, TrainingError, TrainingTimeout, job_processes, launch_env, raise_for_exit)
+from components.train.processes import (LaunchOutput, TrainingError, TrainingTimeout, job_processes, launch_env,
+                                        raise_for_exit)
 from trainer.config import Config
+from trainer.env import JOB_TOKEN_ENV, NODE_RANK_ENV, NUM_NODES_ENV
 from trainer.launch.command import trainer_command
-from trainer.env import NODE_RANK_ENV
 from trainer.launch.node_lifecycle import Verdict, verdict
 from trainer.launch.rendezvous_store import READY_LINE
 from trainer.resilience.budget import attempt_history
@@ -105,7 +105,7 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
 
         def start(index: int) -> Node:
             proc = subprocess.Popen(node_command(command, index), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env={**env, NODE_RANK_ENV: str(index), "PET_NNODES": str(count)},
+                                    text=True, env={**env, NODE_RANK_ENV: str(index), NUM_NODES_ENV: str(count)},
                                     start_new_session=True)
             output.note(f"node {index} started (launcher pid {proc.pid})")
             return Node(index, proc, output.follow(proc.stdout, f"[node-{index}] "), time.monotonic())

@@ -19,8 +19,8 @@ from collections import deque
 import psutil
 
 from trainer.config import Config
-from trainer.env import GENERATION_ENV, JOB_TOKEN_ENV, RUN_DIR_ENV
-from trainer.env import BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV
+from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, GENERATION_ENV, JOB_ATTEMPT_ENV, JOB_TOKEN_ENV,
+                         LAUNCHER_ENV, RUN_DIR_ENV)
 from trainer.resilience.budget import read_gave_up
 from trainer.run.run_dir import RunDir
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from components.run_metrics import commit_record
-from trainer.run.events import read_events
 from trainer.planning.measured import badput_breakdown, kept_metrics, save_stalls
+from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir, read_json
 
 read_metrics = kept_metrics  # per-step records, a replayed step's last record winning

@@ -20,15 +20,15 @@ from components.train.plots import training_plots
 from components.train.report import checkpoint_metric_records, read_metrics, training_report
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
 from trainer.config import Config
-from trainer.run.events import read_events
 from trainer.planning.measured import measured_costs
 from trainer.resilience.budget import read_gave_up
+from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
+
 def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
-    run_dir = RunDir(cfg.run_dir)
     started = time.time()
     with step_context(cfg, "train", one_per_pipeline_run=True) as (mlflow, run):
         try:

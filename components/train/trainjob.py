@@ -34,12 +34,10 @@ from kubernetes.client.exceptions import ApiException
 from components.train.local import JobCancelled, cancel_on_sigterm
 from components.train.report import training_report
 from trainer.config import Config
+from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, LAUNCHER_ENV, RENDEZVOUS_NODES_ENV
 from trainer.launch.command import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
-from trainer.env import GENERATION_ENV
-from trainer.run.lease import RunLease
-from trainer.env import BUDGET_SINCE_ENV
 from trainer.resilience.budget import read_gave_up
-from trainer.env import RENDEZVOUS_NODES_ENV as RENDEZVOUS_NODES_ENV
+from trainer.run.lease import RunLease
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -119,7 +117,7 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
                 "numNodes": cfg.training.num_nodes,
                 "numProcPerNode": cfg.training.nproc_per_node,
                 "resourcesPerNode": {"limits": dict(resources), "requests": dict(resources)} if resources else {},
-                "env": [{"name": "RESILIENT_TRAIN_LAUNCHER", "value": cfg.resilience.launcher},
+                "env": [{"name": LAUNCHER_ENV, "value": cfg.resilience.launcher},
                         {"name": GENERATION_ENV, "value": str(generation)},
                         # The restart budget counts this job's attempts (its gang restarts included), not an
                         # earlier job's of the same run folder.

@@ -21,9 +21,8 @@ import pytest
 from components.evaluate.heldout import evaluate_checkpoint
 from components.train.local import RUN_DIR_ENV, job_processes, run_local_training
 from trainer.config import load_config
+from trainer.config.drills import FAULT_TYPES, RANK_0_SAVE_POINTS, SAVE_FAULTS, STARTUP_HANGS, STARTUP_PHASES
 from trainer.run.events import read_events
-from trainer.config.drills import FAULT_TYPES, RANK_0_SAVE_POINTS, SAVE_FAULTS
-from trainer.config.drills import STARTUP_HANGS, STARTUP_PHASES
 from trainer.run.run_dir import read_jsonl
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ import pytest
 
 from components.train.report import read_metrics
 from pipelines.local_stack import S3Server
-from trainer.env import NODE_STORE_ENV
 from trainer.checkpoint.node_store import RankStore
+from trainer.env import NODE_STORE_ENV
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
 

@@ -9,7 +9,8 @@ import pytest
 from components.train.local import job_processes, run_local_training
 from components.train.report import read_metrics
 from tests.launch import start_launcher
-from trainer.checkpoint.format import committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name, verify_checkpoint
+from trainer.checkpoint.format import (committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name,
+                                       verify_checkpoint)
 from trainer.run.events import read_events
 
 pytestmark = pytest.mark.integration

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from trainer.checkpoint.export import export_hf
 from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.config import load_config
-from trainer.checkpoint.export import export_hf
 from trainer.model.llama import load_or_build_model
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ from components.run_metrics import STRAGGLER_TABLE
 from components.tracking import Tracker
 from components.train.local import run_local_training
 from pipelines.console import TrainingProgress, print_summary
-from trainer.run.events import read_events
 from trainer.config.drills import STARTUP_PHASES
+from trainer.run.events import read_events
 
 pytestmark = pytest.mark.integration
 

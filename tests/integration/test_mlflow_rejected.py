@@ -11,10 +11,10 @@ import pytest
 from components.context import tracker
 from components.finalize.step import run_finalize
 from components.prepare.step import run_prepare
-from trainer.run.run_dir import RunDir, read_jsonl
 from pipelines.cli import mlflow_sync
 from pipelines.local_stack import MlflowServer
 from trainer.config import load_config
+from trainer.run.run_dir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,6 @@ import json
 import pytest
 
 from components.train.local import TrainingError, run_local_training
-
 from components.train.report import read_metrics
 from trainer.run.events import read_events
 

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from components.train.local import CrashLoop, run_local_training
-from trainer.run.events import read_events
 from trainer.env import CRASH_LOOP_EXIT_CODE
 from trainer.resilience.budget import attempt_history
+from trainer.run.events import read_events
 
 pytestmark = pytest.mark.integration
 

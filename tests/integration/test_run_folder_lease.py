@@ -19,8 +19,8 @@ import pytest
 from components.train.local import job_processes, run_local_training
 from tests.launch import start_launcher
 from trainer.checkpoint.format import committed_checkpoints, verify_checkpoint
-from trainer.run.events import read_events
 from trainer.env import GENERATION_ENV
+from trainer.run.events import read_events
 from trainer.run.lease import RunFolderBusy, RunLease
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,8 @@ import json
 import boto3
 import pytest
 
-from components.stage.staging import MULTIPART_THRESHOLD, StageError, stage_dataset
+from components.stage.s3_copy import MULTIPART_THRESHOLD, StageError
+from components.stage.staging import stage_dataset
 from pipelines.demo_data import upload_corpus
 from trainer.config import load_config
 
@@ -93,7 +94,7 @@ def test_prefix_without_text_files_is_refused(s3, tmp_path):
 def test_throttling_and_access_denied_say_what_to_do():
     from botocore.exceptions import ClientError
 
-    from components.stage.staging import s3_error
+    from components.stage.s3_copy import s3_error
 
     def error(code, status):
         return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
@@ -119,10 +120,10 @@ def test_dra_mode_stages_through_the_fsx_api_and_writes_the_same_manifest(s3, tm
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from test_fsx_dra import FS, dra, expect_describe_fs, expect_dra_state, expect_import, expect_list_dras  # noqa: E402
-
     import boto3 as aws
     from botocore.stub import Stubber
+    from test_fsx_dra import (FS, dra, expect_describe_fs, expect_dra_state, expect_import,  # noqa: E402
+                              expect_list_dras)
 
     upload_corpus(s3, "bucket", "datasets/demo", num_documents=50)
     data = load_config(None, ["--data.s3_uri=s3://bucket/datasets/demo", "--data.stage_mode=dra",

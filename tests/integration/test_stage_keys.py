@@ -19,7 +19,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from components.stage.staging import StageError, stage_dataset
+from components.stage.s3_copy import StageError
+from components.stage.staging import stage_dataset
 from trainer.config import load_config
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,6 @@ import shutil
 import pytest
 
 from components.train.local import TrainingError, run_local_training
-
 from components.train.report import read_metrics
 from trainer.checkpoint.format import committed_checkpoints, verify_checkpoint
 

@@ -12,9 +12,9 @@ import time
 import psutil
 import pytest
 
-from trainer.run.run_dir import RunDir
 from trainer.env import WARM_START_ENV
 from trainer.launch.warm_start import wait_until_serving
+from trainer.run.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,12 @@ import json
 
 import pytest
 
-from trainer.run.events import EventLog
+from components.train.report import training_report
+from trainer.config import load_config
+from trainer.env import BUDGET_SINCE_ENV
+from trainer.observe.progress import ProgressReporter
 from trainer.planning.measured import badput_breakdown, measured_costs
+from trainer.run.events import EventLog, run_started_at
 from trainer.run.run_dir import RunDir
 
 T0 = 1_000_000.0
@@ -75,3 +79,26 @@ def test_measured_costs_are_what_the_planner_takes(tmp_path):
     sync_dir = tmp_path / "sync"
     _write_run(sync_dir, mode="sync")
     assert measured_costs(sync_dir)["sync_stall_seconds"] == pytest.approx(0.6)
+
+
+def test_the_trainjob_status_and_the_report_take_the_run_start_from_one_function(tmp_path, monkeypatch):
+    """Issue 31: the goodput of the TrainJob status (trainer.observe.progress) and the report's
+    (components.train.report) count from trainer.run.events.run_started_at — the launch's start (the train
+    step's, which every process of the launch has in BUDGET_SINCE_ENV), else the first process start. The
+    status used to count from the first launch record's time, written after that process's start-up, and the
+    report from the launch: the two goodputs disagreed by the start-up."""
+    cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=start"])
+    finished = _write_run(cfg.run_dir)  # its launch record is written now, long after its process started (T0)
+    monkeypatch.delenv(BUDGET_SINCE_ENV, raising=False)
+    status = ProgressReporter(cfg, rank=0, nodes=1, environ={})
+    report = training_report(cfg.run_dir, None)
+    assert status.run_started_at == run_started_at(cfg.run_dir) == T0
+    assert finished - report["job_wall_seconds"] == pytest.approx(T0)
+
+    launched = T0 - 3.0  # the train step started the launch 3 s before the first process started
+    monkeypatch.setenv(BUDGET_SINCE_ENV, repr(launched))
+    status = ProgressReporter(cfg, rank=0, nodes=1, environ={})
+    monkeypatch.delenv(BUDGET_SINCE_ENV)  # the train step's own process: it passes its launch's start
+    report = training_report(cfg.run_dir, launched)
+    assert status.run_started_at == launched
+    assert finished - report["job_wall_seconds"] == pytest.approx(launched)

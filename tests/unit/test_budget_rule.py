@@ -6,11 +6,11 @@ import json
 import pytest
 
 from trainer.config import ConfigError, load_config
-from trainer.run.events import EventLog
 from trainer.planning.goodput import Costs
-from trainer.planning.survival import job_survival, poisson_cdf, pod_restart_budget, simulate_survival
+from trainer.planning.survival import job_survival, pod_restart_budget, poisson_cdf, simulate_survival
 from trainer.resilience.budget import (RestartBudget, RestartBudgetExhausted, attempt_history, budget_since,
                                        no_progress_streak)
+from trainer.run.events import EventLog
 
 
 @pytest.mark.parametrize("resumes, current, streak", [

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from trainer.checkpoint.retention import Retention
 from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, latest_valid_checkpoint, step_dir_name,
-                                verify_checkpoint, write_manifest)
+                                       verify_checkpoint, write_manifest)
+from trainer.checkpoint.retention import Retention
 
 
 def _fake_checkpoint(root, step, payload=b"x" * 1000):
@@ -122,9 +122,9 @@ def test_what_a_crash_left_behind_is_removed_at_start_up(tmp_path):
 def test_save_drills_parse_and_fire_once_at_their_point(tmp_path):
     import os
 
-    from trainer.run.events import EventLog
-    from trainer.resilience.faults import FaultInjector
     from trainer.config.drills import parse_schedule
+    from trainer.resilience.faults import FaultInjector
+    from trainer.run.events import EventLog
 
     faults = parse_schedule("kill_before_rename@6, kill_during_shard_write@8:rank=1")
     with pytest.raises(ValueError, match="takes TYPE@STEP"):

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data.shards import DataError, is_held_out, tokenize_files
 from trainer.data.batches import TokenBatches
+from trainer.data.shards import DataError, is_held_out, tokenize_files
 from trainer.data.tokenizer import TokenizerError, load_tokenizer
 
 

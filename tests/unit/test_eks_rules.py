@@ -173,8 +173,9 @@ def test_an_fsx_root_the_pipeline_cannot_write_says_how_to_prepare_it(tmp_path, 
     """What uid 10001 meets on an unprepared FSx root: EACCES from mkdir (simulated: tests may run as root)."""
     import pathlib
 
-    from components.stage.staging import StageError, stage_dataset
     from components.prepare.step import RunFolderError, run_prepare
+    from components.stage.s3_copy import StageError
+    from components.stage.staging import stage_dataset
 
     cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=denied"])
     real_mkdir = pathlib.Path.mkdir
@@ -363,8 +364,7 @@ def test_a_lost_node_replaces_one_pod_a_crash_loop_fails_the_jobset_and_no_repla
     controllers' rules: a node lost or evicted replaces that pod only (the others keep their memory); exit 42
     (the restart budget's verdict) fails the JobSet; exit 43 (no replacement in time) and a node that keeps
     failing restart every pod."""
-    from trainer.env import REPLACEMENT_TIMEOUT_EXIT_CODE
-    from trainer.env import CRASH_LOOP_EXIT_CODE
+    from trainer.env import CRASH_LOOP_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
 
     _, objects, _ = cluster
     runtime, _ = runtime_pod(objects)

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from trainer.run.events import EventLog
-from trainer.resilience.failures import explain_restarts, is_lost_peer, record_failure
 from trainer.config.drills import DEFAULT_STARTUP_TIMEOUTS, parse_startup_timeouts
+from trainer.resilience.failures import explain_restarts, handled_fault_keys, is_lost_peer, record_failure
 from trainer.resilience.phases import PhaseWatchdog
+from trainer.run.events import EventLog, read_events
 
 GLOO_PEER_GONE = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
                               "[127.0.0.1]:3733. This is typically caused by a remote worker crashing.")
@@ -95,3 +95,26 @@ def test_startup_timeouts_override_the_defaults_by_name():
     assert timeouts == {**DEFAULT_STARTUP_TIMEOUTS, "model_build": 5.0, "restore_fsx": 7.5}
     with pytest.raises(ValueError, match="PHASE one of"):
         parse_startup_timeouts("restore_nvme=5")
+
+
+def test_a_fault_is_handled_once_a_recovery_names_it_or_it_was_absorbed(tmp_path):
+    """The one set of handled faults that the recovery record and the restart's sentence both skip (issue 31):
+    a drill that needed no restart (an absorbed slow rank, a writer crash the next save covered) is no cause."""
+    log = EventLog(tmp_path, 0)
+
+    def fault(kind: str, step: int) -> str:
+        key = f"{kind}@{step}:rank=0"
+        log.write("fault", key=key, fault_type=kind, step=step)
+        return key
+
+    named = fault("sigkill", 4)
+    log.write("recovery", fault_key=named, fault_keys=[named])
+    absorbed = fault("slow_rank", 5)
+    log.write("fault_absorbed", fault_key=absorbed, why="no restart needed")
+    crashed = fault("checkpoint_writer_crash", 6)
+    log.write("checkpoint_failed", step=6, fault_key=crashed, error="injected")
+    log.write("checkpoint_failed", step=7, fault_key=None, error="a real write failure names no drill")
+    fault("exception", 8)
+    assert handled_fault_keys(read_events(tmp_path)) == {named, absorbed, crashed}
+    [found] = explain_restarts(tmp_path, time.time() + 1, world_size=1)
+    assert found["first_failure"] == "raised InjectedFault after step 8 (drill exception@8:rank=0)"

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint import fast_reader, reads
-from trainer.checkpoint.fast_reader import FastReader, Window, decode_tensor, plan_windows, verifier_of
-from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint import fast_reader, reads, tensor_decode
+from trainer.checkpoint.fast_reader import FastReader, Window, plan_windows, verifier_of
 from trainer.checkpoint.format import CheckpointError, write_manifest
+from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.tensor_decode import decode_tensor
 
 
 def _state() -> dict:
@@ -110,7 +111,7 @@ def test_undecodable_items_go_through_dcps_path(tmp_path, monkeypatch):
     folder = _committed(tmp_path)
 
     def refuse(blob):
-        raise fast_reader._Undecodable("test")
+        raise tensor_decode.Undecodable("test")
 
     monkeypatch.setattr(fast_reader, "decode_tensor", refuse)
     target = _zeros_like(_state())
@@ -141,12 +142,12 @@ def test_decode_refuses_what_is_not_one_tensor():
     for value in ({"a": torch.ones(2)}, [torch.ones(2)], torch.ones(2).to_sparse()):
         handle = io.BytesIO()
         torch.save(value, handle)
-        with pytest.raises(fast_reader._Undecodable):
+        with pytest.raises(tensor_decode.Undecodable):
             decode_tensor(memoryview(bytearray(handle.getvalue())))
 
 
 def test_pinned_torch_is_the_one_tested():
-    assert torch.__version__.startswith(fast_reader.TESTED_TORCH), (
+    assert torch.__version__.startswith(tensor_decode.TESTED_TORCH), (
         "fast_reader decodes torch.save's format itself: rerun these tests and update TESTED_TORCH")
 
 

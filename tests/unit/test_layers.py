@@ -2,7 +2,12 @@
 
 - pipelines/ → components/ → trainer/: no layer imports one above it, and no module imports itself back
   through others (a cycle only works while some import hides inside a function);
-- no module over 450 lines, and each says in its first line what it is for;
+- no module over 350 lines, and each says in its first line what it is for;
+- trainer/ is grouped by concern (issue 31): its rooms stack in ROOMS' order and no import runs from a lower
+  room up to a higher one; its root holds only the package, `python -m trainer`, the env module and the stable
+  entry points that pod specs carry (thin, and each of them starts); the env module imports nothing; nothing
+  under launch/ or run/ pulls torch in at import (a node's launcher starts fast); nothing imports job/ but the
+  entry points and the fork server;
 - the run folder's file names are spelled in trainer/run/run_dir.py and nowhere else;
 - everything trainer/ imports at module level is in the training image: docker/trainer-requirements.txt,
   what those requirements pull in, or the NGC PyTorch base (torch).
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, distribution, packages_distributions
 from pathlib import Path
@@ -20,7 +26,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["trainer", "components", "pipelines"]  # lowest first
-MAX_LINES = 450
+MAX_LINES = 350
+# trainer/'s rooms, lowest first: a module may import its own room and the ones below it.
+ROOMS = ["trainer.env", "trainer.run", "trainer.config", "trainer.planning", "trainer.observe", "trainer.data",
+         "trainer.model", "trainer.resilience", "trainer.checkpoint", "trainer.launch", "trainer.job"]
+# The commands rendered manifests and running jobs' pod specs carry (`python -m <module>`): kept as thin
+# entry points at the root, so a job keeps its pod spec when its image is upgraded.
+ENTRY_POINTS = {"trainer.launcher": "trainer.launch.launcher", "trainer.rendezvous_store": "trainer.launch.rendezvous_store",
+                "trainer.node_health": "trainer.launch.node_health", "trainer.warm_start": "trainer.launch.warm_start",
+                "trainer.export": "trainer.checkpoint.export"}
+ROOT_MODULES = {"trainer", "trainer.__main__", "trainer.env", *ENTRY_POINTS}
+FORK_SERVER = "trainer.launch.warm_start"  # its job is to import the trainer ahead of time, inside its functions
 RUN_DIR_NAMES = ["config.yaml", "result.json", "metrics.jsonl", "train.log", "summary.json", "generations.json",
                  "lease.lock", "lease.json", "trainjob.json", "mlflow-spool", "rejected.jsonl", "pipeline.log"]
 NGC_BASE = {"torch"}  # what the training image's base brings (docker/trainer.Dockerfile)
@@ -203,3 +219,90 @@ def test_imports_inside_functions_say_why():
             if not explained:
                 unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert unexplained == []
+
+
+def _room(name: str) -> int | None:
+    """The room's level of a trainer module (None: the root's package, __main__ and entry points)."""
+    for level, room in enumerate(ROOMS):
+        if name == room or name.startswith(room + "."):
+            return level
+    return None
+
+
+def test_trainer_root_holds_only_the_package_the_env_module_and_the_stable_entry_points():
+    at_root = {name for name in modules() if name.startswith("trainer") and name.count(".") <= 1
+               and not (ROOT / name.replace(".", "/")).is_dir()} | {"trainer"}
+    assert at_root == ROOT_MODULES
+    assert all(_room(name) is not None for name in modules() if name.startswith("trainer.") and name not in ROOT_MODULES)
+
+
+def test_no_import_runs_from_a_lower_room_of_trainer_up_to_a_higher_one():
+    wrong = []
+    for name, targets in project_graph().items():
+        level = _room(name) if name.startswith("trainer.") else None
+        if level is None:
+            continue
+        for target in targets:
+            if target.startswith("trainer.") and (_room(target) or 0) > level and not (
+                    name == FORK_SERVER and target.startswith("trainer.job.")
+                    and target not in module_level_imports(modules()[name])):
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []
+
+
+def test_nothing_imports_job_but_the_entry_points_and_the_fork_server():
+    importers = {name for name, targets in project_graph().items()
+                 if any(t == "trainer.job" or t.startswith("trainer.job.") for t in targets)}
+    assert {name for name in importers if not name.startswith("trainer.job")} <= {"trainer.__main__", FORK_SERVER}
+
+
+def test_the_env_module_imports_nothing():
+    tree = ast.parse((ROOT / "trainer" / "env.py").read_text())
+    assert [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))] == []
+
+
+def test_a_nodes_launcher_and_the_run_folder_import_no_torch():
+    """Imported for real, in a fresh interpreter: nothing under launch/ or run/, nor the entry points a node
+    runs, brings torch in (the fork server imports the trainer inside its functions, once it serves)."""
+    node_entry_points = set(ENTRY_POINTS) - {"trainer.export"}  # export loads a checkpoint: torch is its job
+    names = sorted(n for n in modules() if n.startswith(("trainer.launch", "trainer.run")) or n in node_entry_points)
+    code = ("import importlib, sys\n"
+            f"for name in {names!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_each_stable_entry_point_is_thin(entry):
+    """A docstring, imports, and `if __name__ == "__main__":` calling into its room: nothing else to keep."""
+    tree = ast.parse(modules()[entry].read_text())
+    kinds = [type(node).__name__ for node in tree.body]
+    assert kinds[0] == "Expr" and kinds[-1] == "If" and set(kinds[1:-1]) <= {"Import", "ImportFrom"}, kinds
+    assert ENTRY_POINTS[entry] in module_level_imports(modules()[entry])
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["trainer", "--help"], "usage: python -m trainer "),
+    (["trainer.launcher", "torchrun", "--help"], "--nproc-per-node"),  # torch.distributed.run's own usage
+    (["trainer.rendezvous_store", "--help"], "usage: python -m trainer.rendezvous_store"),
+    (["trainer.node_health", "--help"], "usage: python -m trainer.node_health"),
+    (["trainer.export", "--help"], "usage: python -m trainer.export"),
+])
+def test_each_stable_entry_point_starts(command, expected):
+    done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr
+
+
+def test_the_fork_server_entry_point_starts_and_serves(tmp_path):
+    from trainer.launch.warm_start import wait_until_serving
+
+    socket_path = tmp_path / "server.sock"
+    server = subprocess.Popen([sys.executable, "-m", "trainer.warm_start", str(socket_path)], cwd=ROOT)
+    try:
+        assert wait_until_serving(str(socket_path), timeout=120, server=server.pid)
+    finally:
+        server.kill()
+        server.wait()

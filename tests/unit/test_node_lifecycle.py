@@ -8,11 +8,10 @@ import pytest
 import yaml
 
 from components.train.nodes import node_command
-from trainer.launch.launcher import external_store, is_rendezvous_timeout
-from trainer.env import REPLACEMENT_TIMEOUT_EXIT_CODE
-from trainer.launch.node_lifecycle import Verdict, pod_failure_policy, verdict
-from trainer.env import CRASH_LOOP_EXIT_CODE
 from tests.kube import MANIFESTS
+from trainer.env import CRASH_LOOP_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
+from trainer.launch.launcher import external_store, is_rendezvous_timeout
+from trainer.launch.node_lifecycle import Verdict, pod_failure_policy, verdict
 
 
 def test_every_exit_of_a_node_has_one_verdict():

@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.memory import MemoryTier
-from trainer.env import NODE_STORE_ENV
-from trainer.checkpoint.node_store import RankStore, StateMismatch, node_store_folder, restore
+from trainer.checkpoint.node_store import RankStore, node_store_folder
+from trainer.checkpoint.state_bytes import StateMismatch, restore
 from trainer.config import CheckpointConfig
+from trainer.env import NODE_STORE_ENV
 from trainer.launch.launcher import launch_node_store
 
 

@@ -17,7 +17,8 @@ import math
 import pytest
 
 from pipelines.cli import main
-from trainer.planning.goodput import (CONFIGURATIONS, Configuration, Costs, PlanError, best_interval, daly_goodput, daly_interval, evaluate, expected_goodput, make_plan, young_interval)
+from trainer.planning.goodput import (CONFIGURATIONS, Configuration, Costs, PlanError, best_interval, daly_goodput,
+                                      daly_interval, evaluate, expected_goodput, make_plan, young_interval)
 from trainer.planning.simulate import FailureModel, simulate, simulate_many
 
 BY_NAME = {c.name: c for c in CONFIGURATIONS}

@@ -24,8 +24,9 @@ import pytest
 
 from tests.crd_schema import crd_errors
 from trainer.config import load_config
-from trainer.env import TRAINER_SERVER_URL_ENV, TRAINER_SERVER_TOKEN_ENV
-from trainer.observe.progress import (ProgressReporter, StatusSender, expected_remaining_seconds, progress_line, trainer_status)
+from trainer.env import TRAINER_SERVER_TOKEN_ENV, TRAINER_SERVER_URL_ENV
+from trainer.observe.progress import (ProgressReporter, StatusSender, expected_remaining_seconds, progress_line,
+                                      trainer_status)
 
 
 def _with_status(status: dict) -> dict:

@@ -30,8 +30,8 @@ def test_xids_that_take_a_node_out_of_service():
 def test_gpu_health_is_a_no_op_on_cpu(tmp_path):
     import torch
 
-    from trainer.run.events import EventLog
     from trainer.resilience.health import GpuHealth
+    from trainer.run.events import EventLog
 
     health = GpuHealth(torch.device("cpu"), EventLog(tmp_path, 0), interval_steps=1)
     assert not health.enabled

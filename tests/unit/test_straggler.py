@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.config import ConfigError, load_config
-from trainer.run.events import EventLog, read_events
 from trainer.resilience import nvrx_compat
 from trainer.resilience.straggler import StragglerDetector, findings
+from trainer.run.events import EventLog, read_events
 
 
 def _report(relative: dict, individual: dict, gpu: dict | None = None):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from components.stage.shards import SHARDS_DIR, collect_shards, plan_groups, tokenize_group
-from trainer.data.shards import META_FILE, DataError, tokenize_files
 from trainer.data.batches import TokenBatches
+from trainer.data.shards import META_FILE, DataError, tokenize_files
 
 
 def _corpus(folder, files=7):

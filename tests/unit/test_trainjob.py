@@ -8,7 +8,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from components.train.trainjob import (EXIT_INFRASTRUCTURE, InfrastructureError, TrainJobFailed, TrainJobLauncher,
-                                 build_trainjob, job_state, trainjob_name)
+                                       build_trainjob, job_state, trainjob_name)
 from tests.crd_schema import crd_errors
 from trainer.config import load_config
 

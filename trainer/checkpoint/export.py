@@ -14,10 +14,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from trainer.observe import logs
 from trainer.checkpoint.format import CheckpointError, verify_checkpoint
 from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.data.tokenizer import load_tokenizer
+from trainer.observe import logs
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from transformers import LlamaConfig
 
 from trainer.checkpoint.fast_reader import FastReader
 from trainer.checkpoint.format import CheckpointError, Verification, verify_checkpoint
-from trainer.model.llama import build_model, set_special_token_ids
 from trainer.data.tokenizer import load_tokenizer
+from trainer.model.llama import build_model, set_special_token_ids
 
 log = logging.getLogger(__name__)
 

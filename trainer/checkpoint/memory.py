@@ -17,9 +17,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from trainer.checkpoint.node_store import (RankStore, StateMismatch, StoredCopy, check_fits, node_store_folder,
-                                           restore)
+from trainer.checkpoint.node_store import RankStore, StoredCopy, node_store_folder
 from trainer.checkpoint.peer import PeerReplicator, receive_replica, send_replica
+from trainer.checkpoint.state_bytes import StateMismatch, check_fits, restore
 from trainer.config import CheckpointConfig
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from trainer.checkpoint.fast_reader import verifier_of
 from trainer.checkpoint.format import MANIFEST, committed_checkpoints, hasher
-from trainer.env import NODE_STORE_ENV
 from trainer.checkpoint.node_folders import holds_a_copy
+from trainer.env import NODE_STORE_ENV
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ This module imports neither torch nor KFP: the CLI, the components and the train
 from trainer.config.loader import (CONFIG_DIR, config_from_dict, config_from_yaml_text, load_config, merge_overrides,
                                    parse_overrides, resolve_config_path)
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
-from trainer.config.rules import ConfigError, check_s3_uri
 from trainer.config.resilience import FaultsConfig, ResilienceConfig
+from trainer.config.rules import ConfigError, check_s3_uri
 from trainer.config.training import MODEL_PRESETS, CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
 from trainer.config.tree import Config
 

@@ -8,6 +8,7 @@ from typing import Literal
 
 from trainer.config.rules import require
 
+
 @dataclass
 class EvalConfig:
     """Held-out evaluation of the validated checkpoint."""

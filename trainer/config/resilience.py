@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trainer.config.drills import FAULT_TYPES, parse_schedule, parse_startup_timeouts
 from trainer.config.rules import ConfigError, require
-from trainer.config.drills import FAULT_TYPES, parse_schedule
-from trainer.config.drills import parse_startup_timeouts
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from trainer.config.rules import RUN_ID_PATTERN, check_s3_uri, require
 
+
 @dataclass
 class RunConfig:
     """Identity and bookkeeping of one pipeline run."""

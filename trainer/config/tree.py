@@ -12,12 +12,13 @@ from typing import Any
 
 import yaml
 
-from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
-from trainer.config.rules import require
 from trainer.config.drills import parse_schedule, unfirable
-from trainer.run.run_dir import RunDir
+from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.resilience import FaultsConfig, ResilienceConfig
+from trainer.config.rules import require
 from trainer.config.training import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
+from trainer.run.run_dir import RunDir
+
 
 @dataclass
 class Config:

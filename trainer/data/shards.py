@@ -26,8 +26,8 @@ import numpy as np
 import orjson
 from tqdm import tqdm
 
-from trainer.run.run_dir import write_json
 from trainer.data.tokenizer import LoadedTokenizer, load_tokenizer
+from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
 

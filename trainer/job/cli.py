@@ -23,14 +23,14 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.observe import logs
 from trainer.config import ConfigError, load_config
 from trainer.env import CRASH_LOOP_EXIT_CODE
+from trainer.job.trainer import Trainer
+from trainer.observe import logs
 from trainer.resilience.budget import EscalateToLauncher, RestartBudgetExhausted
 from trainer.resilience.failures import record_failure, record_sigterm
 from trainer.resilience.in_process import InProcessAttempt, run_with_in_process_restart
 from trainer.resilience.phases import current_phase
-from trainer.job.trainer import Trainer
 
 log = logging.getLogger("trainer")
 

@@ -30,6 +30,7 @@ from trainer.checkpoint.node_folders import holds_a_copy
 from trainer.checkpoint.prefetch import RestorePrefetch, started_from_environment
 from trainer.checkpoint.s3_tier import S3Tier
 from trainer.config import Config
+from trainer.config.drills import parse_startup_timeouts
 from trainer.data.batches import TokenBatches
 from trainer.data.shards import load_meta
 from trainer.data.tokenizer import load_tokenizer
@@ -44,7 +45,6 @@ from trainer.resilience.budget import RestartBudget, current_layer
 from trainer.resilience.faults import startup_hang_drill
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
-from trainer.config.drills import parse_startup_timeouts
 from trainer.resilience.phases import PhaseWatchdog, exit_hung
 from trainer.resilience.worker_clock import worker_started_at
 from trainer.run.events import EventLog, run_started_at

@@ -18,8 +18,8 @@ import math
 import sys
 from pathlib import Path
 
-from trainer.resilience import nvrx_compat
 from trainer.config import MODEL_PRESETS, Config
+from trainer.resilience import nvrx_compat
 
 BYTE_VOCAB = 258  # trainer.data.tokenizer's byte tokenizer: 256 bytes + BOS + EOS
 # What a resume reads per parameter: fp32 weights + AdamW's two fp32 moments.

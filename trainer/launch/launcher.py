@@ -43,22 +43,19 @@ from pathlib import Path
 
 import psutil
 
-from trainer.env import NODE_STORE_ENV
 from trainer.checkpoint.node_folders import owner_name, remove_dead_owners
-from trainer.env import GENERATION_ENV
-from trainer.env import NODE_UNHEALTHY_EXIT_CODE
+from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV,
+                         NODE_TOKEN_ENV, NODE_UNHEALTHY_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE, WARM_START_ENV,
+                         WARM_START_PID_ENV)
 from trainer.launch.node_health import node_problems
-from trainer.env import NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_TOKEN_ENV, REPLACEMENT_TIMEOUT_EXIT_CODE
-from trainer.launch.rendezvous_store import report_finished
 from trainer.launch.parent_watch import forked_children_die_with_this_process, watch_parent
-from trainer.env import CRASH_LOOP_EXIT_CODE
+from trainer.launch.rendezvous_store import report_finished
+from trainer.launch.warm_start import wait_until_serving
+from trainer.observe.system_metrics import SystemMetricsSampler, nvml
 from trainer.resilience.budget import read_gave_up
 from trainer.resilience.nvrx_compat import (FT_LAUNCHER_MODULE, evict_predecessors_from_rendezvous,
                                             quiet_health_checks_without_gpu, runtime_launcher_args, stable_node_rank)
 from trainer.run.run_dir import RunDir
-from trainer.observe.system_metrics import SystemMetricsSampler, nvml
-from trainer.env import WARM_START_ENV, WARM_START_PID_ENV
-from trainer.launch.warm_start import wait_until_serving
 
 LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.run"}
 NODE_STORE_OPTION = "--node-store="

@@ -16,6 +16,7 @@ import glob
 import sys
 import time
 from pathlib import Path
+
 from trainer.env import NODE_UNHEALTHY_EXIT_CODE
 
 EFA_DEVICES = "/dev/infiniband/uverbs*"  # one per EFA interface the device plugin gives the container

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+
 from trainer.env import TORCHELASTIC_RUN_ID_ENV
 
 # Set by torchrun and ft_launcher for every worker they start.

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+
 from trainer.env import RENDEZVOUS_NODES_ENV
 
 FINISHED_KEY = "resilient_train/nodes_finished"

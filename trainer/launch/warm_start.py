@@ -25,8 +25,8 @@ import sys
 import time
 import traceback
 
-from trainer.launch.parent_watch import die_with_parent, watch_parent, watch_process
 from trainer.env import WARM_START_PID_ENV, WORKER_STARTED_ENV
+from trainer.launch.parent_watch import die_with_parent, watch_parent, watch_process
 from trainer.resilience.worker_clock import worker_started_at
 
 _FDS = 3  # stdin, stdout, stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

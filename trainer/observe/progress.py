@@ -34,11 +34,11 @@ import time
 import urllib.request
 from typing import Any, Callable
 
+from trainer.env import TRAINER_SERVER_CA_CERT_ENV, TRAINER_SERVER_TOKEN_ENV, TRAINER_SERVER_URL_ENV
+from trainer.planning.goodput import Costs, evaluate
 from trainer.run import events as run_events
 from trainer.run.events import read_events
-from trainer.planning.goodput import Costs, evaluate
 from trainer.run.run_dir import RunDir, write_json
-from trainer.env import TRAINER_SERVER_CA_CERT_ENV, TRAINER_SERVER_TOKEN_ENV, TRAINER_SERVER_URL_ENV
 
 log = logging.getLogger(__name__)
 

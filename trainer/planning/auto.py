@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config
-from trainer.run.events import EventLog, read_events
 from trainer.planning.goodput import Configuration, Costs, best_interval, tier_rates
+from trainer.run.events import EventLog, read_events
 
 log = logging.getLogger(__name__)
 

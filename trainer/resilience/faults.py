@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.run.events import read_events
-from trainer.config.drills import Fault, SAVE_FAULTS, STARTUP_HANGS, parse_schedule
-from trainer.run.run_dir import RunDir
+from trainer.config.drills import SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
 from trainer.env import NODE_LAUNCHER_PID_ENV
 from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -20,17 +20,17 @@ import time
 from typing import Any
 
 from trainer.config import Config
-from trainer.run.events import EventLog, read_events
-from trainer.resilience import nvrx_compat
+from trainer.config.drills import parse_schedule, random_schedule
 from trainer.env import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV
+from trainer.resilience import nvrx_compat
 from trainer.resilience.budget import restart_layer
 from trainer.resilience.failures import explain_restarts, handled_fault_keys
 from trainer.resilience.faults import FaultInjector, straggling_here
-from trainer.config.drills import parse_schedule, random_schedule
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.resilience.straggler import StragglerDetector
-from trainer.run.run_dir import RunDir, read_jsonl
 from trainer.resilience.worker_clock import worker_started_at
+from trainer.run.events import EventLog, read_events
+from trainer.run.run_dir import RunDir, read_jsonl
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,8 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
+from trainer.env import FT_RANK_MONITOR_SOCKET_ENV, NODE_RANK_ENV
+
 
 def nvrx_version() -> str | None:
     try:
@@ -129,7 +131,7 @@ def runtime_launcher_args(launcher: str, args: list[str], environ: dict[str, str
                 level = logging.WARNING if flag == HEALTH_CHECK_FLAG else logging.INFO  # one the user asked for
                 logging.getLogger(__name__).log(level, "NVRx %s has no %s: %s", nvrx_version(), flag, consequence)
                 args = kept
-    node_rank = environ.get("PET_NODE_RANK")
+    node_rank = environ.get(NODE_RANK_ENV)
     if node_rank is not None and "--rdzv-backend=c10d" in args and not any("is_host=" in a for a in args):
         is_host = f"is_host={'true' if node_rank == '0' else 'false'}"
         for index, arg in enumerate(args):
@@ -146,7 +148,7 @@ def stable_node_rank(environ: dict[str, str]) -> dict[str, str]:
     node memory was written by and the replacement takes the lost node's: NVRx >= 0.6's barrier rendezvous
     orders nodes by an infrastructure rank, GROUP_RANK when SLURM is absent; NVRx 0.4.1's rendezvous re-uses
     each node's rank of the previous round (its _assign_ranks) and gives a newcomer the free one."""
-    node_rank = environ.get("PET_NODE_RANK")
+    node_rank = environ.get(NODE_RANK_ENV)
     return {"GROUP_RANK": node_rank} if node_rank is not None and "GROUP_RANK" not in environ else {}
 
 
@@ -192,7 +194,7 @@ def quiet_health_checks_without_gpu() -> None:
 
 
 def under_ft_launcher() -> bool:
-    return bool(os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"))
+    return bool(os.environ.get(FT_RANK_MONITOR_SOCKET_ENV))
 
 
 def rank_monitor_client():

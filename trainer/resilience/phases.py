@@ -27,6 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
+
 from trainer.env import HANG_EXIT_CODE
 
 log = logging.getLogger(__name__)

@@ -48,8 +48,8 @@ from typing import Any, Callable, Iterator
 import torch.distributed as dist
 
 from trainer.env import NODE_RANK_ENV
-from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
 from trainer.resilience import nvrx_compat
+from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
 
 log = logging.getLogger(__name__)
 

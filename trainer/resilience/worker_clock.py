@@ -2,8 +2,8 @@
 
 import os
 import time
-from trainer.env import WORKER_STARTED_ENV
 
+from trainer.env import WORKER_STARTED_ENV
 
 
 def worker_started_at() -> float:

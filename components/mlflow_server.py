@@ -1,0 +1,167 @@
+"""One spooled record applied to the MLflow server: find or create the runs, log in batches, replace a table.
+
+The journal, its order and its bookmarks are components.tracking's; this module is what a record does on the
+server (``MlflowServer.deliver``) and how a failure is told apart: an outage (``is_outage``: retried later,
+``TrackingUnavailable``) or a refusal (set aside in rejected.jsonl). Every delivery is idempotent: runs are
+found again by their tags before one is created, metrics keep their timestamps, a table is written whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import requests
+
+PIPELINE_RUN_TAG = "pipeline_run_id"
+STEP_TAG = "pipeline_step"
+SPOOL_KEY_TAG = "spool_key"
+PARENT = "pipeline"  # the spool's name for the parent run
+_METRICS_PER_CALL = 1000  # MLflow's log_batch limits
+_PARAMS_PER_CALL = 100
+
+
+class TrackingUnavailable(Exception):
+    """The tracking server could not be reached; the record stays spooled."""
+
+
+class MlflowServer:
+    """The tracking server of one pipeline run; `tables_dir`: where a table is written before it is sent."""
+
+    def __init__(self, tracking_uri: str, experiment: str, pipeline_run_id: str, artifact_location: str,
+                 tables_dir: Path):
+        self.tracking_uri, self.experiment, self.pipeline_run_id = tracking_uri, experiment, pipeline_run_id
+        self.artifact_location, self._tables_dir = artifact_location, Path(tables_dir)
+        self._client = None
+
+    def client(self):
+        if self._client is None:
+            from mlflow.tracking import MlflowClient  # mlflow: 1.4 s to import, and the spool works without it
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def connect(self) -> None:
+        """Import MLflow's client and open its store now (a deliverer warms up while the first steps start)."""
+        self.check_reachable()
+        self.client().search_experiments(max_results=1)
+
+    def check_reachable(self) -> None:
+        if not self.tracking_uri.startswith(("http://", "https://")):
+            return  # a local store: errors surface from the calls themselves
+        try:
+            requests.get(self.tracking_uri.rstrip("/") + "/health", timeout=3)
+        except requests.RequestException as err:
+            raise TrackingUnavailable(str(err)) from err
+
+    def _experiment_id(self) -> str:
+        """Get or create, safe when several runs start at once: losing the race to create is not an error."""
+        from mlflow.exceptions import MlflowException  # mlflow: 1.4 s to import, and the spool works without it
+
+        client = self.client()
+        experiment = client.get_experiment_by_name(self.experiment)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return client.create_experiment(self.experiment, artifact_location=self.artifact_location or None)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return client.get_experiment_by_name(self.experiment).experiment_id
+
+    def _find_run(self, tags: dict[str, str]):
+        experiment = self.client().get_experiment_by_name(self.experiment)
+        if experiment is None:
+            return None
+        filter_string = " and ".join(f"tags.{key} = '{value}'" for key, value in tags.items())
+        runs = self.client().search_runs([experiment.experiment_id], filter_string=filter_string, max_results=1)
+        return runs[0] if runs else None
+
+    def deliver(self, op: dict[str, Any], state: dict[str, Any]) -> None:
+        from mlflow.entities import Metric, RunTag  # mlflow: 1.4 s to import, and the spool works without it
+
+        client = self.client()
+        if op["op"] == "start_run":
+            state["runs"][op["run"]] = self._create_or_find_run(op, state)
+            return
+        run_id = state["runs"][op["run"]]  # the spool checked that it exists (Tracker._blocked_by)
+        if op["op"] == "metrics":
+            metrics = [Metric(key, value, timestamp, step) for key, value, timestamp, step in op["rows"]]
+            for start in range(0, len(metrics), _METRICS_PER_CALL):
+                client.log_batch(run_id, metrics=metrics[start : start + _METRICS_PER_CALL])
+        elif op["op"] == "tags":
+            client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in op["tags"].items()])
+        elif op["op"] == "artifact":
+            client.log_artifact(run_id, op["path"], op["artifact_path"])
+        elif op["op"] == "table":
+            self._replace_table(run_id, op["data"], op["artifact_file"])
+        elif op["op"] == "end_run":
+            client.set_terminated(run_id, status=op["status"], end_time=int(op["time"] * 1000))
+        else:
+            raise AssertionError(f"unknown spool record {op['op']}")
+
+    def _replace_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
+        """The whole table, in log_table's own format (pandas' split orientation) and with its UI tag, replacing
+        the last one: log_table itself appends to an existing file, so a live table would repeat rows."""
+        from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS  # mlflow: see client()
+
+        columns = list(data)
+        rows = [list(row) for row in zip(*(data[c] for c in columns))]
+        folder = self._tables_dir / uuid.uuid4().hex
+        folder.mkdir(parents=True)
+        try:
+            (folder / Path(artifact_file).name).write_text(json.dumps({"columns": columns, "data": rows}, default=str))
+            parent = str(Path(artifact_file).parent) if Path(artifact_file).parent != Path(".") else None
+            self.client().log_artifact(run_id, str(folder / Path(artifact_file).name), parent)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        tagged = json.loads(self.client().get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        if {"path": artifact_file, "type": "table"} not in tagged:
+            tagged.append({"path": artifact_file, "type": "table"})
+            self.client().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tagged))
+
+    def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
+        from mlflow.entities import Param  # mlflow: 1.4 s to import, and the spool works without it
+
+        client = self.client()
+        if op["run"] == PARENT:
+            identity = {PIPELINE_RUN_TAG: self.pipeline_run_id, STEP_TAG: PARENT}
+            tags = {**identity, **op["tags"]}
+            name = self.pipeline_run_id
+        else:
+            identity = {SPOOL_KEY_TAG: op["run"], PIPELINE_RUN_TAG: self.pipeline_run_id}
+            parent = state["runs"][PARENT]
+            tags = {**identity, "mlflow.parentRunId": parent, PIPELINE_RUN_TAG: self.pipeline_run_id,
+                    STEP_TAG: op["step"]}
+            name = op["step"]
+        existing = self._find_run(identity)
+        if existing is not None:
+            run_id = existing.info.run_id
+            if op["run"] != PARENT and existing.info.status != "RUNNING":  # a retried step, in the run it had
+                client.update_run(run_id, status="RUNNING")
+        else:
+            run_id = client.create_run(self._experiment_id(), run_name=name, tags=tags,
+                                       start_time=int(op["time"] * 1000)).info.run_id
+        params = [Param(k, v) for k, v in op["params"].items()]
+        for start in range(0, len(params), _PARAMS_PER_CALL):
+            client.log_batch(run_id, params=params[start : start + _PARAMS_PER_CALL])
+        return run_id
+
+
+def is_outage(err: Exception) -> bool:
+    """Connection failures and 5xx/429 answers are outages (retry later); other refusals are not."""
+    import sqlalchemy.exc  # with mlflow (see client()): only once a delivery failed
+    from mlflow.exceptions import MlflowException, RestException
+
+    if isinstance(err, (requests.RequestException, ConnectionError, TimeoutError, sqlalchemy.exc.OperationalError)):
+        return True  # OperationalError: a local store that is locked or on a missing volume
+    if isinstance(err, RestException):
+        return err.get_http_status_code() >= 500 or err.get_http_status_code() == 429
+    if isinstance(err, MlflowException):
+        text = str(err)
+        return any(marker in text for marker in ("Max retries exceeded", "Connection", "timed out", "API request to"))
+    return False
+
