@@ -90,9 +90,14 @@ def test_a_hang_in_each_start_up_phase_is_ended_at_once_and_named(tmp_path, toke
         ("hang_in_model_build", 0, "model_build"), ("hang_in_restore", 1, "restore_memory"),
         ("hang_in_first_step", 0, "first_step")]
     hangs = read_events(cfg.run_dir, "hang")
-    for drill in drills:  # the hung rank's watchdog named its phase once the phase's timeout passed
-        assert any(h["rank"] == drill["rank"] and h["phase"] == drill["phase"]
-                   and PHASE_TIMEOUT <= h["seconds"] < PHASE_TIMEOUT + 5 for h in hangs), drill
+    for drill in drills:
+        # A watchdog named the phase once its timeout passed, and the attempt ended there. Which rank's: the
+        # hung one's, or a peer's that waits for it in the same phase (the rendezvous, a collective) and entered
+        # it first — with equal timeouts the first to enter fires first and its exit stops the other. Under
+        # load the hung rank can start half a second late and be stopped before its own watchdog fires, so
+        # the rank is not asserted here: the recovery's cause below names the drilled rank.
+        assert any(h["phase"] == drill["phase"] and PHASE_TIMEOUT <= h["seconds"] < PHASE_TIMEOUT + 5
+                   and drill["time"] < h["time"] < drill["time"] + PHASE_TIMEOUT + 5 for h in hangs), drill
     # One sentence per restart: the first (rendezvous) recovered at once; after the sigkill four restarts in a
     # row failed in start-up, and the recovery that followed lists each, in order.
     first, second = read_events(cfg.run_dir, "recovery")
