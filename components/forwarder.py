@@ -1,29 +1,31 @@
 """The live forwarder: what the run folder accumulates during training reaches the MLflow train run while it
 trains, on either launcher (this machine or a TrainJob: the train step reads the run folder either way).
 
-    with RunFolderForwarder(tracker, run, run_dir, interval_seconds=10):
-        train()                     # every interval: new lines -> one spooled MLflow record
-    # on exit (success or failure): everything left, and the recovery table
+    with RunFolderForwarder(tracker, run, run_dir, interval_seconds=10, step_metric_every=1):
+        train()                     # every interval: what was appended -> one spooled MLflow record
+    # on exit (success or failure): everything left
 
-Forwarded, each from its file in the run folder and each point with its own time:
-- ``metrics.jsonl`` — every line, a replayed step included (MLflow then holds both points of that step, as
-  metrics.jsonl does): loss, lr, grad_norm, step and data seconds, tokens/s;
-- ``events/rank-N.jsonl`` — committed checkpoints (with the worst rank's loop wait, once every rank's stall
-  is in), failed saves, faults (``fault``: 1 at its step), recoveries (their seconds and lost steps at the
-  recovery's first step, the running count ``recoveries``, and the recovery table), straggler reports (the
-  count ``stragglers`` and ``straggler_lowest_score`` per report, and the straggler table: a row per streak
-  and per replacement), the planner's
-  interval choices;
-- ``system/<node>.jsonl`` — each training node's system metrics as ``system/<node>/<metric>``;
+Each pass reads what four files gained since the last one (trainer.run.tail), so it costs what is new however
+long the run:
+- ``metrics.jsonl`` — a point per step at ``mlflow.step_metric_every``; a step replayed after a fault adds no
+  second point (the first stands, as in the run folder's own figures: trainer.planning.measured);
+- ``events/control.jsonl`` — faults (``fault``: 1 at its step), failed saves, recoveries (their seconds and lost
+  steps at the recovery's first step, the running count ``recoveries``, and a row of the recovery table), the
+  planner's interval choices, straggler streaks (a row of the straggler table);
+- ``events/periodic.jsonl`` — each committed checkpoint (background time, size, speed) and what each save cost
+  the loop (the worst rank's, one record per save), straggler reports (``stragglers`` and
+  ``straggler_lowest_score``);
+- ``system/samples.jsonl`` — every node's system metrics, aggregated across nodes (components.run_metrics);
 - ``trainer_status.json`` — rank 0's progress report (trainer.observe.progress), as a line in this step's log.
 
-What each record means as a metric is components.run_metrics (the train step's report uses the same);
-this module is the thread, the read positions and the state across passes.
+Tables grow by appending: a pass's new rows are a part of their own (``recovery_events/part-<first row>.json``),
+never a rewrite of the rows before. What each record means as a metric is components.run_metrics; this module
+is the thread, the read positions and the small state across passes.
 
-Exactly once, through the spool (components.tracking): the forwarder's read positions (byte offsets of
-whole lines), and the commits it read that still wait for another rank's stall line, are saved with the rows
-they produced, so a retried step or a restarted forwarder goes on where the journal stopped, and an MLflow
-outage only delays delivery.
+Exactly once, through the spool (components.tracking): the read positions (byte offsets of whole lines) and the
+counters (the newest step seen, recoveries, table rows, system points) are saved with the rows and table parts
+they produced, so a retried step or a restarted forwarder goes on where the journal stopped — it reads nothing
+before its positions — and an MLflow outage only delays delivery.
 """
 
 from __future__ import annotations
@@ -33,32 +35,34 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from components.run_metrics import (RECOVERY_TABLE, STRAGGLER_TABLE, CommitStalls, event_record, opens_a_streak,
+from components.run_metrics import (RECOVERY_TABLE, STRAGGLER_TABLE, event_record, opens_a_streak, step_rows,
                                     system_rows, table)
 from components.tracking import Tracker, metric_rows
 from trainer.observe.progress import progress_line
 from trainer.run.run_dir import RunDir, read_json
-from trainer.run.tail import read_lines_before, read_new_lines
+from trainer.run.tail import read_new_lines
 
 log = logging.getLogger(__name__)
 
 
 class RunFolderForwarder:
-    def __init__(self, tracker: Tracker, run: str, run_dir: Path, interval_seconds: float = 10.0):
+    def __init__(self, tracker: Tracker, run: str, run_dir: Path, interval_seconds: float = 10.0,
+                 step_metric_every: int = 1):
         self.tracker = tracker
         self.run = run
         self.run_dir = RunDir(run_dir)
         self.interval_seconds = interval_seconds
+        self.step_metric_every = step_metric_every
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one pass at a time (the thread's, the last one's)
+        self._files = {self._key(path): path for path in (self.run_dir.metrics, self.run_dir.control_log,
+                                                          self.run_dir.periodic_log, self.run_dir.system_samples)}
         saved = tracker.forwarded_cursor()
-        self.cursor: dict[str, int] = saved.get("offsets", {})  # file (relative to the run folder) -> bytes read
-        self._commits = CommitStalls(saved.get("pending_commits", []))  # read, waiting for every rank's stall
-        self._recoveries: list[dict[str, Any]] = []
-        self._stragglers: list[dict[str, Any]] = []
+        # An earlier release's positions name per-rank files: only the ones this release reads are kept.
+        self.cursor: dict[str, int] = {k: v for k, v in saved.get("offsets", {}).items() if k in self._files}
+        self.counters: dict[str, Any] = saved.get("counters") or self._counters_of_an_earlier_release()
         self._progress_seen: int | None = None
-        self._replayed_history = False
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 
@@ -83,38 +87,55 @@ class RunFolderForwarder:
     # -- one pass ------------------------------------------------------------------------------------------
 
     def forward(self, final: bool = False) -> int:
-        """Journal what appeared since the last pass; final: also commits whose stalls are incomplete. Returns
-        the number of metric points sent."""
+        """Journal what appeared since the last pass (final: the same, at the end). Returns the number of metric
+        points sent."""
         with self._lock:
-            if not self._replayed_history:
-                self._replay_history()
-            cursor = dict(self.cursor)
-            rows: list[list] = []
-            metrics, cursor[self._key(self.run_dir.metrics)] = self._new_lines(self.run_dir.metrics)
-            rows += metric_rows(metrics)
-            events = []
-            event_files = sorted(self.run_dir.events.glob("rank-*.jsonl"))
-            for path in event_files:
-                found, cursor[self._key(path)] = self._new_lines(path)
-                events += found
-            rows += self._event_rows(sorted(events, key=lambda e: e["time"]), ranks=len(event_files), final=final)
-            for path in sorted(self.run_dir.system.glob("*.jsonl")):
-                samples, cursor[self._key(path)] = self._new_lines(path)
-                rows += system_rows(path.stem, samples)
-            new_recoveries = [e for e in events if e.get("event") == "recovery"]
-            if rows or cursor != self.cursor:
-                # Commits read but waiting for a stall line go with the positions: a restarted forwarder has them.
-                self.tracker.forward(self.run, rows, {"offsets": cursor, "pending_commits": self._commits.pending})
-                self.cursor = cursor
-            if new_recoveries:
-                self._recoveries += new_recoveries
-                self.log_recovery_table()
+            cursor, counters = dict(self.cursor), {**self.counters, "tables": dict(self.counters["tables"])}
+            new: dict[str, list[dict[str, Any]]] = {}
+            for key, path in self._files.items():
+                new[key], cursor[key] = read_new_lines(path, cursor.get(key, 0))
+            steps, counters["max_step"] = step_rows(new[self._key(self.run_dir.metrics)], counters["max_step"],
+                                                    self.step_metric_every)
+            records = []
+            for event in new[self._key(self.run_dir.control_log)] + new[self._key(self.run_dir.periodic_log)]:
+                counters["recoveries"] += event.get("event") == "recovery"
+                record = event_record(event, counters["recoveries"])
+                if record is not None:
+                    records.append(record)
+            rows = metric_rows(steps) + metric_rows(records)
+            samples = new[self._key(self.run_dir.system_samples)]
+            if samples:
+                rows += system_rows(samples, counters["system_points"])
+                counters["system_points"] += 1
+            control = new[self._key(self.run_dir.control_log)]
+            parts = [part for part in (self._table_part(counters, RECOVERY_TABLE,
+                                                        [e for e in control if e.get("event") == "recovery"]),
+                                       self._table_part(counters, STRAGGLER_TABLE, [e for e in control
+                                                                                    if opens_a_streak(e)]))
+                     if part is not None]
+            if rows or parts or cursor != self.cursor:
+                self.tracker.forward(self.run, rows, {"offsets": cursor, "counters": counters}, tables=parts)
+                self.cursor, self.counters = cursor, counters
             self._log_progress()
-            new_stragglers = [e for e in events if opens_a_streak(e)]
-            if new_stragglers:
-                self._stragglers += new_stragglers
-                self._log_table(self._stragglers, STRAGGLER_TABLE)
             return len(rows)
+
+    @staticmethod
+    def _table_part(counters: dict[str, Any], artifact_file: str, records: list[dict[str, Any]]
+                    ) -> tuple[str, dict[str, list], int] | None:
+        """New rows of a table as its next part (artifact file, columns, index of its first row)."""
+        if not records:
+            return None
+        first = counters["tables"].get(artifact_file, 0)
+        counters["tables"][artifact_file] = first + len(records)
+        return artifact_file, table(records), first
+
+    def _counters_of_an_earlier_release(self) -> dict[str, Any]:
+        """A spool an earlier release's forwarder left (no counters): the newest step it sent is the last one
+        before its position in metrics.jsonl, read once (the upgrade's cost, not every restart's)."""
+        offset = self.cursor.get(self._key(self.run_dir.metrics), 0)
+        sent = read_new_lines(self.run_dir.metrics, 0, until=offset)[0] if offset else []
+        return {"max_step": max((int(r["step"]) for r in sent), default=0), "recoveries": 0, "system_points": 0,
+                "tables": {}}
 
     def _log_progress(self) -> None:
         """The trainer's progress report (trainer.observe.progress), in this step's log when it changed."""
@@ -129,42 +150,5 @@ class RunFolderForwarder:
             if status:
                 log.info("%s", progress_line(status))
 
-    def log_recovery_table(self) -> None:
-        self._log_table(self._recoveries, RECOVERY_TABLE)
-
-    def _log_table(self, records: list[dict[str, Any]], artifact_file: str) -> None:
-        if records:
-            self.tracker.log_table(self.run, data=table(records), artifact_file=artifact_file)
-
     def _key(self, path: Path) -> str:
         return str(Path(path).relative_to(self.run_dir.path))
-
-    def _new_lines(self, path: Path) -> tuple[list[dict[str, Any]], int]:
-        """Whole lines appended since the cursor (a line still being written waits for the next pass)."""
-        return read_new_lines(path, self.cursor.get(self._key(path), 0))
-
-    def _replay_history(self) -> None:
-        """A restarted forwarder (a retried step) rebuilds what earlier passes knew — stalls seen, the
-        recoveries and straggler streaks of the tables — from the lines before its cursor, without sending them
-        (the commits still waiting for stalls came back with the cursor)."""
-        self._replayed_history = True
-        seen = [event for path in sorted(self.run_dir.events.glob("rank-*.jsonl"))
-                for event in read_lines_before(path, self.cursor.get(self._key(path), 0))]
-        for event in sorted(seen, key=lambda e: e["time"]):
-            self._commits.note(event, replaying=True)
-            if event.get("event") == "recovery":
-                self._recoveries.append(event)
-            elif opens_a_streak(event):
-                self._stragglers.append(event)
-
-    def _event_rows(self, events: list[dict[str, Any]], ranks: int, final: bool) -> list[list]:
-        records: list[dict[str, Any]] = []
-        recoveries = len(self._recoveries)
-        for event in events:
-            self._commits.note(event)
-            recoveries += event.get("event") == "recovery"
-            record = event_record(event, recoveries)
-            if record is not None:
-                records.append(record)
-        records += self._commits.ready(ranks, final)
-        return metric_rows(records)

@@ -98,6 +98,8 @@ class MlflowServer:
             client.log_artifact(run_id, op["path"], op["artifact_path"])
         elif op["op"] == "table":
             self._replace_table(run_id, op["data"], op["artifact_file"])
+        elif op["op"] == "table_part":
+            self._log_table(run_id, op["data"], table_part_file(op["artifact_file"], op["first_row"]))
         elif op["op"] == "end_run":
             client.set_terminated(run_id, status=op["status"], end_time=int(op["time"] * 1000))
         else:
@@ -106,7 +108,13 @@ class MlflowServer:
     def _replace_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
         """The whole table, in log_table's own format (pandas' split orientation) and with its UI tag, replacing
         the last one: log_table itself appends to an existing file, so a live table would repeat rows."""
+        self._log_table(run_id, data, artifact_file)
+
+    def _log_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
+        """One table file in log_table's own format (pandas' split orientation), listed in the run's
+        mlflow.loggedArtifacts tag (the UI's table view) while that tag stays within MLflow's length limit."""
         from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_ARTIFACTS  # mlflow: see client()
+        from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
         columns = list(data)
         rows = [list(row) for row in zip(*(data[c] for c in columns))]
@@ -121,10 +129,11 @@ class MlflowServer:
         tagged = json.loads(self.client().get_run(run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
         if {"path": artifact_file, "type": "table"} not in tagged:
             tagged.append({"path": artifact_file, "type": "table"})
-            self.client().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tagged))
+            if len(json.dumps(tagged)) <= MAX_TAG_VAL_LENGTH:  # past it the parts are artifacts, unlisted
+                self.client().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tagged))
 
     def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
-        from mlflow.entities import Param  # mlflow: 1.4 s to import, and the spool works without it
+        from mlflow.entities import Param, RunTag  # mlflow: 1.4 s to import, and the spool works without it
 
         client = self.client()
         if op["run"] == PARENT:
@@ -140,8 +149,10 @@ class MlflowServer:
         existing = self._find_run(identity)
         if existing is not None:
             run_id = existing.info.run_id
-            if op["run"] != PARENT and existing.info.status != "RUNNING":  # a retried step, in the run it had
+            if existing.info.status != "RUNNING":  # a retried step in the run it had, or a continued run
                 client.update_run(run_id, status="RUNNING")
+            if tags:
+                client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         else:
             run_id = client.create_run(self._experiment_id(), run_name=name, tags=tags,
                                        start_time=int(op["time"] * 1000)).info.run_id
@@ -149,6 +160,12 @@ class MlflowServer:
         for start in range(0, len(params), _PARAMS_PER_CALL):
             client.log_batch(run_id, params=params[start : start + _PARAMS_PER_CALL])
         return run_id
+
+
+def table_part_file(artifact_file: str, first_row: int) -> str:
+    """Where a growing table's part lives: recovery_events.json, first row 12 -> recovery_events/part-000012.json."""
+    path = Path(artifact_file)
+    return str(path.with_suffix("") / f"part-{first_row:06d}{path.suffix}")
 
 
 def is_outage(err: Exception) -> bool:

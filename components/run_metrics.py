@@ -1,20 +1,21 @@
 """What the run folder's records mean as MLflow metrics and table rows: pure functions, no I/O.
 
 The live forwarder (components.forwarder) applies them to the lines it tails while training runs, and the
-train step's report (components.train.report) to the whole history at the end, so a committed checkpoint or
-a recovery reads the same in both:
+train step's report (components.train.report) to the history at the end, so a committed checkpoint or a
+recovery reads the same in both:
 
+- ``step_rows(records, after, every)`` — per-step metrics at the configured cadence, each step once;
 - ``event_record(event, recoveries)`` — a fault, a failed save, a recovery (its seconds and lost steps at
-  its first step, and the running count ``recoveries``), a straggler report, an interval choice;
-- ``commit_record(commit, loop_wait, handoff)`` — a committed checkpoint with the worst rank's stall;
-- ``CommitStalls`` — commits held until every rank's stall line is in;
-- ``system_rows(node, samples)`` — a node's system metrics as ``system/<node>/<metric>``;
+  its first step, and the running count ``recoveries``), a straggler report, an interval choice, a committed
+  checkpoint, a save's stall (the worst rank's, reduced by the ranks: trainer.checkpoint.commit);
+- ``system_rows(samples, point)`` — every node's system metrics as a few keys that do not grow with the cluster;
 - ``opens_a_streak(event)`` — whether a straggler event is a table row (and a console line);
 - ``table(records)`` — rows as the columns MLflow's table view shows.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 RECOVERY_TABLE = "recovery_events.json"
@@ -23,6 +24,20 @@ STRAGGLER_TABLE = "straggler_events.json"
 RECOVERY_METRICS = ("recovery_seconds", "lost_steps", "reload_seconds", "reinit_seconds",
                     "detect_and_teardown_seconds", "first_step_seconds", "fsx_bytes_read", "restore_seconds",
                     "restore_overlapped_seconds", "restore_gb_per_second")
+
+
+def step_rows(records: list[dict[str, Any]], after: int, every: int) -> tuple[list[dict[str, Any]], int]:
+    """The per-step records MLflow gets, and the newest step seen: each step once — a step replayed after a
+    fault (at or below `after`, the newest step already seen) adds no second point, the first one stands —
+    and every `every`-th step only (mlflow.step_metric_every)."""
+    sent = []
+    for record in records:
+        step = int(record["step"])
+        if step > after:
+            after = step
+            if step % every == 0:
+                sent.append(record)
+    return sent, after
 
 
 def event_record(event: dict[str, Any], recoveries: int) -> dict[str, Any] | None:
@@ -43,55 +58,54 @@ def event_record(event: dict[str, Any], recoveries: int) -> dict[str, Any] | Non
     if kind == "checkpoint_interval_chosen" and event["rank"] == 0:
         return {"step": event.get("step", 0), "time": event["time"],
                 "checkpoint_interval_steps_chosen": event["interval_steps"]}
+    if kind == "checkpoint_committed":
+        return commit_record(event)
+    if kind == "checkpoint_stall":
+        return stall_record(event)
     return None
 
 
-def commit_record(commit: dict[str, Any], loop_wait: float | None, handoff: float | None) -> dict[str, Any]:
-    """A committed checkpoint's record (worst rank): the loop's whole wait for the save (previous save,
-    barrier, hand-off), the hand-off alone — each the commit's own blocking time when no stall is known —,
-    background time, size, speed."""
+def commit_record(commit: dict[str, Any]) -> dict[str, Any]:
+    """A committed checkpoint: its background time (write and commit), size, speed."""
     return {"step": commit["step"], "time": commit["time"],
-            "checkpoint_loop_wait_seconds": commit["blocking_seconds"] if loop_wait is None else loop_wait,
-            "checkpoint_blocking_seconds": commit["blocking_seconds"] if handoff is None else handoff,
             "checkpoint_background_seconds": commit["background_seconds"],
             "checkpoint_bytes": commit["bytes"], "checkpoint_mb_per_second": commit["mb_per_second"] or 0.0}
 
 
-class CommitStalls:
-    """Committed checkpoints waiting for every rank's ``checkpoint_stall`` line (the worst rank wins)."""
-
-    def __init__(self, pending: list[dict[str, Any]] | None = None):
-        self.pending = list(pending or [])  # commits read whose stalls are not all in
-        self._loop_waits: dict[int, dict[int, float]] = {}  # step -> rank -> loop wait
-        self._handoffs: dict[int, dict[int, float]] = {}
-
-    def note(self, event: dict[str, Any], *, replaying: bool = False) -> None:
-        """A stall or commit event; replaying: a restarted reader's history (its commits are in `pending`)."""
-        if event.get("event") == "checkpoint_stall":
-            self._loop_waits.setdefault(event["step"], {})[event["rank"]] = event.get("loop_wait_seconds", 0.0)
-            self._handoffs.setdefault(event["step"], {})[event["rank"]] = event.get("handoff_seconds", 0.0)
-        elif event.get("event") == "checkpoint_committed" and not replaying:
-            self.pending.append(event)
-
-    def ready(self, ranks: int, final: bool) -> list[dict[str, Any]]:
-        """The records of the commits whose `ranks` stall lines are in (final: all of them), in order."""
-        records, waiting = [], []
-        for commit in self.pending:
-            loop_waits = self._loop_waits.get(commit["step"], {})
-            if len(loop_waits) < ranks and not final:
-                waiting.append(commit)  # another rank's stall line is on its way
-                continue
-            handoffs = self._handoffs.get(commit["step"], {})
-            records.append(commit_record(commit, max(loop_waits.values(), default=None),
-                                         max(handoffs.values(), default=None)))
-        self.pending = waiting
-        return records
+def stall_record(stall: dict[str, Any]) -> dict[str, Any]:
+    """What a save cost the loop, the worst rank's: its whole wait (previous save, barrier, hand-off, node-memory
+    copies) and the hand-off alone."""
+    return {"step": stall["step"], "time": stall["time"],
+            "checkpoint_loop_wait_seconds": stall["loop_wait_seconds"],
+            "checkpoint_blocking_seconds": stall.get("handoff_seconds", 0.0)}
 
 
-def system_rows(node: str, samples: list[dict[str, Any]]) -> list[list]:
-    """A node's system samples as metric rows [key, value, time in ms, sample number]."""
-    return [[f"system/{node}/{key[len('system/'):]}", float(value), int(s["time"] * 1000), int(s["sample"])]
-            for s in samples for key, value in s.items() if key.startswith("system/")]
+def system_rows(samples: list[dict[str, Any]], point: int) -> list[list]:
+    """Every node's newest sample of these, as metric rows [key, value, time in ms, point]: per metric the
+    minimum, median and maximum across nodes and which node is at either end (its index), so a cluster of
+    1,024 nodes has the keys one node has."""
+    newest: dict[str, dict[str, Any]] = {}
+    for sample in samples:
+        node = str(sample.get("node", "node-0"))
+        if node not in newest or sample["time"] >= newest[node]["time"]:
+            newest[node] = sample
+    if not newest:
+        return []
+    at = int(max(s["time"] for s in newest.values()) * 1000)
+    rows = []
+    for key in sorted({k for s in newest.values() for k in s if k.startswith("system/")}):
+        values = sorted((float(s[key]), node) for node, s in newest.items() if key in s)
+        (low, low_node), (high, high_node) = values[0], values[-1]
+        for name, value in (("min", low), ("median", statistics.median(v for v, _ in values)), ("max", high),
+                            ("min_node", _node_index(low_node)), ("max_node", _node_index(high_node))):
+            rows.append([f"{key}/{name}", float(value), at, point])
+    return rows
+
+
+def _node_index(node: str) -> float:
+    """node-7 -> 7 (a metric is a number); -1 for a name without one."""
+    digits = node.rsplit("-", 1)[-1]
+    return float(digits) if digits.isdigit() else -1.0
 
 
 def opens_a_streak(event: dict[str, Any]) -> bool:

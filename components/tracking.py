@@ -10,7 +10,8 @@ delivered twice (a crash between the server's commit and our bookmark) leaves no
   spool key it was created with), so a retried step or a replayed journal never makes a second run;
 - metrics carry their original timestamps, and MLflow drops a metric whose (key, value, step, timestamp) is
   already logged; params and tags are set to the same value again; an artifact is overwritten with the same
-  bytes (artifacts are copied into the spool when logged); a table is written whole, replacing the last one.
+  bytes (artifacts are copied into the spool when logged); a table is written whole, replacing the last one,
+  and a part of a growing table (``table_part``) is named by its first row.
 
 A long-lived process may deliver for the steps (components.delivery): they then only journal, and an answer
 that depends on delivery (a run id, the pending count) waits for it.
@@ -97,18 +98,24 @@ class Tracker:
         self._record({"op": "start_run", "run": key, "step": step, "tags": {}, "params": {}})
         return key
 
-    def forward(self, run: str, rows: list[list], cursor: dict[str, Any]) -> None:
-        """Journal rows forwarded from the run folder together with the read positions after them (one lock, one
-        fsync): a restarted forwarder resumes from forwarded_cursor() and sends nothing twice. Rows journaled
-        again after a crash between the two writes are dropped by MLflow (same key, value, step and time)."""
+    def forward(self, run: str, rows: list[list], cursor: dict[str, Any],
+                tables: list[tuple[str, dict[str, list], int]] = ()) -> None:
+        """Journal rows and table parts (artifact file, columns, first row) forwarded from the run folder together
+        with the read positions after them (one lock, one fsync): a restarted forwarder resumes from
+        forwarded_cursor() and sends nothing twice. What is journaled again after a crash between the two
+        writes changes nothing in MLflow: it drops a metric with the same key, value, step and time, and a
+        table part has the name of its first row."""
+        ops = ([{"op": "metrics", "run": run, "rows": rows}] if rows else []) + [
+            {"op": "table_part", "run": run, "artifact_file": name, "data": data, "first_row": first}
+            for name, data, first in tables]
         with self._locked():
-            if rows:
+            if ops:
                 with self.journal.open("a") as handle:
-                    handle.write(json.dumps({"op": "metrics", "run": run, "rows": rows, "time": time.time()}) + "\n")
+                    handle.write("".join(json.dumps({**op, "time": time.time()}) + "\n" for op in ops))
                     handle.flush()
                     os.fsync(handle.fileno())
             write_json(self.spool / "forwarded.json", cursor, fsync=True)
-        if rows and not self.deliverer_active():
+        if ops and not self.deliverer_active():
             self.flush()
 
     def forwarded_cursor(self) -> dict[str, Any]:

@@ -30,9 +30,8 @@ from tqdm import tqdm
 from components.run_metrics import opens_a_streak
 from pipelines.pipeline import DISPLAY_NAMES
 from trainer.observe.logs import LOG_FORMAT
-from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
-from trainer.run.tail import read_new_lines
+from trainer.run.tail import read_last_record, read_new_lines
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _STARTED = re.compile(r"Executing task '([\w-]+)'")
@@ -78,28 +77,39 @@ class _Tap(io.TextIOBase):
 
 
 class TrainingProgress:
-    """Training's progress from the run folder: a tqdm bar on a terminal, a few plain lines elsewhere, and a
-    line for each injected fault and each recovery (read from the events files)."""
+    """This launch's training progress from the run folder: a tqdm bar on a terminal, a few plain lines
+    elsewhere, and a line for each injected fault and each recovery. It tails metrics.jsonl and
+    events/control.jsonl from where they stood when it started (what this launch trains: a continuation of a
+    run starts at the step the run had reached), so a poll costs what was appended since the last one."""
 
     def __init__(self, run_dir: Path, num_steps: int, out: TextIO):
         self._run_dir = RunDir(run_dir)
         self._num_steps = num_steps
         self._out = out
-        self._offset = 0
+        self._offset = self._size(self._run_dir.metrics)
+        self._events_offset = self._size(self._run_dir.control_log)
+        self.first_step = int((read_last_record(self._run_dir.metrics) or {}).get("step", 0))  # trained before
         self._last: dict[str, Any] | None = None
         self._step_seconds: list[float] = []
         self._seen_events: set[tuple] = set()
-        self._plain_marks = sorted({max(1, num_steps * k // _PLAIN_PROGRESS_LINES)
+        span = max(1, num_steps - self.first_step)
+        self._plain_marks = sorted({self.first_step + max(1, span * k // _PLAIN_PROGRESS_LINES)
                                     for k in range(1, _PLAIN_PROGRESS_LINES + 1)})
-        self._bar = (tqdm(total=num_steps, file=out, unit="step", leave=False, dynamic_ncols=True,
+        self._bar = (tqdm(total=num_steps, initial=self.first_step, file=out, unit="step", leave=False,
+                          dynamic_ncols=True,
                           bar_format="  train  {bar} {n_fmt}/{total_fmt} [{elapsed}<{remaining}] {desc}")
                      if out.isatty() else None)
 
+    @staticmethod
+    def _size(path: Path) -> int:
+        return path.stat().st_size if path.is_file() else 0
+
     def poll(self) -> None:
-        """Read what was appended to metrics.jsonl and the events since the last call."""
+        """Read what was appended to metrics.jsonl and the control records since the last call."""
         for record in self._new_metrics():
             self._show_step(record)
-        for event in read_events(self._run_dir.path):
+        events, self._events_offset = read_new_lines(self._run_dir.control_log, self._events_offset)
+        for event in events:
             self._show_event(event)
 
     def close(self) -> None:
@@ -120,7 +130,7 @@ class TrainingProgress:
     def _show_step(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         self._step_seconds = (self._step_seconds + [float(record.get("step_seconds") or 0.0)])[-20:]
-        previous = self._last["step"] if self._last else 0
+        previous = self._last["step"] if self._last else self.first_step
         self._last = record
         if self._bar is not None:
             self._bar.n = step  # after a restart the run goes back to the reloaded step
@@ -247,10 +257,13 @@ class PipelineConsole:
             self._say(f"  {_title(match.group(1)):<14} skipped (an earlier step failed)")
 
     def _start_progress(self) -> None:
-        self._say(f"  {_title(_TRAIN_TASK):<14} running ({self._num_steps} steps)")
+        progress = TrainingProgress(self.run_dir, self._num_steps, self._out)
+        trains = (f"steps {progress.first_step + 1}-{self._num_steps}: the run continues from step "
+                  f"{progress.first_step}" if progress.first_step else f"{self._num_steps} steps")
+        self._say(f"  {_title(_TRAIN_TASK):<14} running ({trains})")
         if self.verbose:
             return
-        self._progress = TrainingProgress(self.run_dir, self._num_steps, self._out)
+        self._progress = progress
         self._stop.clear()
         self._poller = threading.Thread(target=self._poll, name="console-progress", daemon=True)
         self._poller.start()
@@ -279,8 +292,10 @@ def print_summary(summary: dict, summary_path: Path, out: TextIO | None = None) 
         f"  steps trained      {summary['steps_trained'] if summary['steps_trained'] is not None else 'n/a'}",
         f"  final train loss   {fmt(summary['final_train_loss'])}",
         f"  held-out loss      {fmt(summary['heldout_loss'])} (perplexity {fmt(summary['heldout_perplexity'], '.2f')})",
-        f"  recovery events    {len(summary['recovery_events'])}"
-        + (f" (goodput {summary['goodput']:.0%})" if summary.get("goodput") else ""),
+        f"  recovery events    {summary.get('recoveries', len(summary['recovery_events']))}"
+        + (f" (goodput {summary['goodput']:.0%})" if summary.get("goodput") else "")
+        + (f"; the last {len(summary['recovery_events'])} below, all in MLflow's recovery table"
+           if summary.get("recoveries", 0) > len(summary["recovery_events"]) else ""),
         f"  checkpoint         {summary['checkpoint'] or 'n/a'}",
         f"  promotion          {_promotion_line(summary.get('promotion'))}",
         f"  MLflow run         {summary['mlflow_parent_run_id']} (experiment {summary['mlflow_experiment']})",
@@ -311,18 +326,14 @@ def print_summary(summary: dict, summary_path: Path, out: TextIO | None = None) 
     print("\n".join(lines), file=out if out is not None else sys.stdout)
 
 
-def _straggler_line(events: list[dict]) -> str:
-    """One line per run: none, or each straggling rank with its node, first report and lowest score."""
-    if not events:
+def _straggler_line(stragglers: list[dict]) -> str:
+    """One line per run: none, or each straggling rank with its node, first report, streaks and lowest score
+    (trainer.run.history's summary of the straggler records)."""
+    if not stragglers:
         return "none reported"
-    ranks: dict[int, dict] = {}
-    for event in events:
-        seen = ranks.setdefault(event["straggler_rank"], {**event, "reports": 0})
-        seen["reports"] += 1
-        if event["score"] < seen["score"]:
-            seen.update(section=event["section"], score=event["score"])
-    return "; ".join(f"rank {r} on {e['node']} from step {e['step']} ({e['reports']} report(s), lowest: {e['score']:.2f} "
-                     f"of the fastest rank's work, slowest in {e['section']})" for r, e in sorted(ranks.items()))
+    return "; ".join(f"rank {s['straggler_rank']} on {s['node']} from step {s['step']} ({s['streaks']} streak(s)"
+                     f"{', replaced' if s.get('replaced') else ''}, lowest: {s['score']:.2f} of the fastest rank's "
+                     f"work, slowest in {s['section']})" for s in sorted(stragglers, key=lambda s: s["straggler_rank"]))
 
 
 def _promotion_line(decision: dict | None) -> str:

@@ -17,7 +17,7 @@ from components.stage.staging import STAGE_ERROR
 from components.train.trainjob import delete_unfinished_trainjob
 from trainer.config import Config
 from trainer.resilience.budget import read_gave_up
-from trainer.run.events import read_events
+from trainer.run.history import control_state
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
     train, evaluate = steps["train"] or {}, steps["evaluate"] or {}
     succeeded = pipeline_state == "SUCCEEDED" and not errors
     mlflow = tracker(cfg)
+    history = control_state(cfg.run_dir)  # bounded: totals and the last few recoveries, however long the run
     summary = {
         "status": "succeeded" if succeeded else "failed",
         "pipeline_run_id": cfg.run.run_id,
@@ -50,8 +51,9 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "heldout_loss": evaluate.get("heldout_loss"),
         "heldout_perplexity": evaluate.get("perplexity"),
         "promotion": evaluate.get("promotion"),
-        "recovery_events": read_events(cfg.run_dir, "recovery"),
-        "straggler_events": read_events(cfg.run_dir, "straggler"),
+        "recoveries": history.recoveries["count"],
+        "recovery_events": history.recoveries["recent"],  # the last few; all: MLflow's recovery table
+        "straggler_events": list(history.stragglers.values()),  # a line per straggling rank
         "restart_budget_gave_up": (read_gave_up(cfg.run_dir) or {}).get("message"),
         "goodput": train.get("goodput"),
         "errors": errors,
@@ -63,7 +65,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
                    if summary[k] is not None}
         if train:
             totals = train["recovery_totals"]
-            metrics["straggler_events"] = len(summary["straggler_events"])
+            metrics["straggler_events"] = sum(s["streaks"] for s in summary["straggler_events"])
             metrics.update(recoveries=totals["recoveries"], lost_steps=totals["lost_steps"],
                            checkpoint_stall_mean_seconds=train.get("checkpoint_stall_mean_seconds", 0.0))
             if train.get("job_wall_seconds"):  # badput by category, as a fraction of the job's wall time

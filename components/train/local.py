@@ -15,11 +15,10 @@ from typing import Any
 from components.train.nodes import launch_nodes
 from components.train.processes import (CrashLoop, JobCancelled, LaunchOutput, TrainingError, TrainingTimeout,
                                         cancel_on_sigterm, job_processes, launch_env, raise_for_exit, stop_job)
-from components.train.report import training_report
 from trainer.config import Config
 from trainer.env import JOB_TOKEN_ENV, RUN_DIR_ENV
 from trainer.launch.command import initial_heartbeat_timeout, trainer_command
-from trainer.resilience.budget import attempt_history
+from trainer.run.history import control_state, record_train_launch, record_train_launch_ended
 from trainer.run.lease import RunLease
 from trainer.run.run_dir import RunDir, read_json
 
@@ -38,7 +37,9 @@ def launch_command(cfg: Config, config_path: Path, data_dir: Path) -> list[str]:
 
 def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     """Launch training and relaunch the whole job when its launcher fails; output streams to
-    <run dir>/train.log. Returns result.json plus wall time and goodput.
+    <run dir>/train.log. Returns result.json and `launched_at`, this launch's start (the report's origin:
+    components.train.report). The launch is recorded, start and end, with the run (trainer.run.history): a
+    continuation's wall time is the sum of its launches'.
 
     Relaunches are bounded by progress, as every layer is (trainer.resilience.budget): the trainers give up
     on a crash loop with exit code 42, which is never relaunched; a launch that fails before any trainer
@@ -51,31 +52,41 @@ def run_local_training(cfg: Config, data_dir: Path) -> dict[str, Any]:
     run_dir = RunDir(cfg.run_dir)
     run_dir.path.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    r = cfg.resilience
     with RunLease(run_dir.path) as lease, cancel_on_sigterm():
         config_path = run_dir.write_config(cfg.to_yaml())
-        empty_launches = 0  # launches in a row that started no training attempt at all
-        for attempt in itertools.count():
-            attempts_before = len(attempt_history(run_dir.path, started))
-            try:
-                _launch_once(cfg, config_path, data_dir, attempt, lease.new_generation(), budget_since=started)
-                break
-            except (CrashLoop, TrainingTimeout):
-                raise
-            except TrainingError as err:
-                empty_launches = empty_launches + 1 if len(attempt_history(run_dir.path, started)) == attempts_before else 0
-                if 0 <= r.job_restarts <= attempt:
-                    raise
-                if empty_launches >= r.max_restarts_without_progress:
-                    raise CrashLoop(f"crash loop: {empty_launches} launches in a row failed before any trainer started "
-                                    f"(resilience.max_restarts_without_progress={r.max_restarts_without_progress}); "
-                                    f"the job relaunch layer gives up. Last failure: {err}") from err
-                log.warning("training job failed (attempt %d), relaunching: %s", attempt + 1,
-                            str(err).splitlines()[0])
+        record_train_launch(run_dir.path, started)
+        outcome = "failed"
+        try:
+            _launch_until_done(cfg, config_path, data_dir, lease, started)
+            outcome = "finished"
+        finally:
+            record_train_launch_ended(run_dir.path, started, outcome)
     result = read_json(run_dir.result)
     if result is None:
         raise TrainingError(f"training finished but wrote no {run_dir.result}; log: {run_dir.train_log}")
-    return {**result, **training_report(run_dir.path, started)}
+    return {**result, "launched_at": started}
+
+
+def _launch_until_done(cfg: Config, config_path: Path, data_dir: Path, lease: RunLease, started: float) -> None:
+    r = cfg.resilience
+    run_dir = RunDir(cfg.run_dir)
+    empty_launches = 0  # launches in a row that started no training attempt at all
+    for attempt in itertools.count():
+        attempts_before = control_state(run_dir.path).attempts_total
+        try:
+            _launch_once(cfg, config_path, data_dir, attempt, lease.new_generation(), budget_since=started)
+            return
+        except (CrashLoop, TrainingTimeout):
+            raise
+        except TrainingError as err:
+            empty_launches = empty_launches + 1 if control_state(run_dir.path).attempts_total == attempts_before else 0
+            if 0 <= r.job_restarts <= attempt:
+                raise
+            if empty_launches >= r.max_restarts_without_progress:
+                raise CrashLoop(f"crash loop: {empty_launches} launches in a row failed before any trainer started "
+                                f"(resilience.max_restarts_without_progress={r.max_restarts_without_progress}); "
+                                f"the job relaunch layer gives up. Last failure: {err}") from err
+            log.warning("training job failed (attempt %d), relaunching: %s", attempt + 1, str(err).splitlines()[0])
 
 
 

@@ -32,7 +32,7 @@ from trainer.env import JOB_TOKEN_ENV, NODE_RANK_ENV, NUM_NODES_ENV
 from trainer.launch.command import trainer_command
 from trainer.launch.node_lifecycle import Verdict, verdict
 from trainer.launch.rendezvous_store import READY_LINE
-from trainer.resilience.budget import attempt_history
+from trainer.run.history import control_state
 from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
     running: dict[int, Node] = {}
     replacements: dict[int, float] = {}  # node index -> when its replacement starts
     finished: set[int] = set()
-    failures_without_attempts, attempts_seen = 0, len(attempt_history(run_dir.path, budget_since))
+    failures_without_attempts, attempts_seen = 0, control_state(run_dir.path).attempts_total
     with run_dir.train_log.open("a") as log_file:
         output = LaunchOutput(log_file)
 
@@ -140,7 +140,7 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                         raise TrainingError(f"node {index} lost (its launcher exited with {_exit_text(returncode)}); "
                                             "local.node_loss=restart_job: the whole job restarts")
                     else:
-                        attempts = len(attempt_history(run_dir.path, budget_since))
+                        attempts = control_state(run_dir.path).attempts_total
                         failures_without_attempts = failures_without_attempts + 1 if attempts == attempts_seen else 1
                         attempts_seen = attempts
                         if failures_without_attempts > cfg.resilience.max_restarts_without_progress:

@@ -1,5 +1,13 @@
-"""What a training run produced, read back from the run folder the same way on either launcher (one
-machine or a TrainJob): per-step metrics, per-checkpoint records, goodput and recovery totals."""
+"""What a training run produced, read back from the run folder once, the same way on either launcher (one machine
+or a TrainJob): goodput and badput over the run's launches, recovery totals, the planner's costs, per-save
+records, plots.
+
+    report = TrainingReport.read(run_dir, launched_at)   # one pass over each file (trainer.planning.measured)
+    result.update(report.figures())                       # what the step result, summary.json and MLflow get
+
+The figures stay bounded however long the run: totals, the last few recoveries (trainer.run.history), a line
+per straggling rank; every recovery is in MLflow's recovery table and in events/control.jsonl.
+"""
 
 from __future__ import annotations
 
@@ -7,34 +15,61 @@ import time
 from pathlib import Path
 from typing import Any
 
-from components.run_metrics import commit_record
-from trainer.planning.measured import badput_breakdown, kept_metrics, save_stalls
-from trainer.run.events import read_events
+from components.run_metrics import commit_record, stall_record
+from components.train.plots import training_plots
+from trainer.planning.measured import MeasuredRun, kept_metrics
 from trainer.run.run_dir import RunDir, read_json
 
-read_metrics = kept_metrics  # per-step records, a replayed step's last record winning
+read_metrics = kept_metrics  # per-step records, each step's first (a replayed step counts once)
+PLOTTED_STEPS = 20_000  # a month of steps is drawn from every k-th one
 
 
-def training_report(run_dir: Path, started_at: float | None) -> dict[str, Any]:
-    """Goodput, badput and recovery totals from the run folder alone, so both launchers (this machine, a
-    TrainJob) report the same thing: productive step seconds over the job's whole wall time, from the run's start
-    (trainer.run.events.run_started_at: started_at, the launch's, else the first process start) to the result
-    (else now), and where the rest went."""
-    run_dir = RunDir(run_dir)
-    finished_at = (read_json(run_dir.result) or {}).get("finished_at") or time.time()
-    split = badput_breakdown(run_dir.path, started_at, finished_at)
-    recoveries = read_events(run_dir.path, "recovery")
-    totals = {"recoveries": len(recoveries), "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries),
-              "recovery_seconds_total": sum(r["recovery_seconds"] or 0.0 for r in recoveries)}
-    for mechanism in sorted({r["mechanism"] for r in recoveries}):
-        totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
-    return {"job_wall_seconds": split["wall_seconds"], "productive_seconds": split["productive_seconds"],
-            "goodput": split["goodput"], "badput_seconds": split["badput_seconds"], "recovery_totals": totals}
+class TrainingReport:
+    def __init__(self, measured: MeasuredRun):
+        self.measured = measured
+
+    @classmethod
+    def read(cls, run_dir: Path, launched_at: float | None, finished_at: float | None = None) -> "TrainingReport":
+        """launched_at: this launch's start (the train step's); finished_at: default result.json's, else now."""
+        finished_at = finished_at or (read_json(RunDir(run_dir).result) or {}).get("finished_at") or time.time()
+        return cls(MeasuredRun.read(run_dir, launched_at, finished_at))
+
+    def figures(self) -> dict[str, Any]:
+        """Goodput, badput and recovery totals over the run's wall time (its launches: a continuation's too),
+        the planner's costs, what each save cost (the mean of the worst rank's loop wait)."""
+        split, state, recoveries = self.measured.badput(), self.measured.state, self.measured.recoveries
+        totals = {"recoveries": len(recoveries), "lost_steps": sum(r.get("lost_steps") or 0 for r in recoveries),
+                  "recovery_seconds_total": sum(r.get("recovery_seconds") or 0.0 for r in recoveries)}
+        for mechanism in sorted({r["mechanism"] for r in recoveries}):
+            totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
+        stalls = [s["loop_wait_seconds"] for s in self.measured.stalls]
+        steps = self.measured.ledger.steps
+        return {"job_wall_seconds": split["wall_seconds"], "productive_seconds": split["productive_seconds"],
+                "goodput": split["goodput"], "badput_seconds": split["badput_seconds"], "recovery_totals": totals,
+                "recent_recoveries": state.recoveries["recent"], "stragglers": list(state.stragglers.values()),
+                "costs": self.measured.costs(), "faults_injected": len(state.fired_fault_keys),
+                "checkpoint_saves": len(stalls), "checkpoint_stall_mean_seconds": sum(stalls) / len(stalls) if stalls
+                else 0.0, "steps_recorded": int(steps[-1]) if len(steps) else 0,
+                "checkpoint_interval_chosen": state.interval_chosen}
+
+    def checkpoint_records(self) -> list[dict[str, float]]:
+        """Per save, as the live forwarder sends them (components.run_metrics): its commit and its stall."""
+        stalls = {s["step"]: stall_record(s) for s in self.measured.stalls}
+        return [{**commit_record(c), **stalls.get(c["step"], {})} for c in self.measured.commits]
+
+    def plots(self, out_dir: Path) -> list[Path]:
+        ledger = self.measured.ledger
+        steps = ledger.steps
+        if not len(steps):
+            return []
+        every = max(1, len(steps) // PLOTTED_STEPS)
+        metrics = [{"step": int(s), **{name: float(ledger.values[name][s]) for name in ("loss", "tokens_per_second",
+                                                                                      "time")}}
+                   for s in steps[::every]]
+        saves = [r for r in self.checkpoint_records() if "checkpoint_blocking_seconds" in r]
+        return training_plots(metrics, saves, self.measured.faults, self.measured.recoveries, out_dir)
 
 
-def checkpoint_metric_records(run_dir: Path) -> list[dict[str, float]]:
-    """Per-checkpoint records for MLflow (worst rank), as the live forwarder sends them (components.run_metrics)."""
-    stalls = save_stalls(run_dir)
-    return [commit_record(event, stalls.get(event["step"], {}).get("loop_wait_seconds"),
-                          stalls.get(event["step"], {}).get("handoff_seconds"))
-            for event in read_events(run_dir, "checkpoint_committed")]
+def training_report(run_dir: Path, launched_at: float | None) -> dict[str, Any]:
+    """The report's figures (TrainingReport.figures) of a run folder."""
+    return TrainingReport.read(run_dir, launched_at).figures()

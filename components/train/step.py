@@ -16,13 +16,10 @@ from components import tracking
 from components.context import step_context, write_step_result
 from components.forwarder import RunFolderForwarder
 from components.train.local import run_local_training
-from components.train.plots import training_plots
-from components.train.report import checkpoint_metric_records, read_metrics, training_report
+from components.train.report import TrainingReport
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
 from trainer.config import Config
-from trainer.planning.measured import measured_costs
 from trainer.resilience.budget import read_gave_up
-from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -32,20 +29,21 @@ def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
     started = time.time()
     with step_context(cfg, "train", one_per_pipeline_run=True) as (mlflow, run):
         try:
-            with RunFolderForwarder(mlflow, run, cfg.run_dir, cfg.mlflow.forward_interval_seconds):
-                result = (run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled
-                          else run_local_training(cfg, Path(data_dir)))
+            with RunFolderForwarder(mlflow, run, cfg.run_dir, cfg.mlflow.forward_interval_seconds,
+                                    cfg.mlflow.step_metric_every):
+                outcome = (run_on_cluster(cfg, data_dir) if cfg.kubernetes.enabled
+                           else run_local_training(cfg, Path(data_dir)))
         except BaseException:  # MLflow gets what the failed training left; step_context tags the reason
             try:
-                log_outcome(mlflow, run, cfg, failed_report(cfg, started))
+                report = TrainingReport.read(cfg.run_dir, started)
+                figures = report.figures()
+                log_outcome(mlflow, run, cfg, {"steps": figures["steps_recorded"], **figures}, report)
             except Exception:  # noqa: BLE001 - the training's own error is the one to raise
                 log.exception("could not log the failed training's outcome to MLflow")
             raise
-        log_outcome(mlflow, run, cfg, result)
-        checkpoints = checkpoint_metric_records(cfg.run_dir)
-        stalls = [c["checkpoint_loop_wait_seconds"] for c in checkpoints]
-        result["checkpoint_saves"] = len(stalls)
-        result["checkpoint_stall_mean_seconds"] = sum(stalls) / len(stalls) if stalls else 0.0
+        report = TrainingReport.read(cfg.run_dir, outcome["launched_at"])  # the run folder, read once
+        result = {**outcome, **report.figures()}
+        log_outcome(mlflow, run, cfg, result, report)
         if result.get("checkpoint") is None:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
         write_step_result(cfg, "train", result)
@@ -61,39 +59,29 @@ def run_on_cluster(cfg: Config, data_dir: str) -> dict[str, Any]:
     return TrainJobLauncher(cfg, k8s_client.CustomObjectsApi(), k8s_client.CoreV1Api()).run(data_dir)
 
 
-def failed_report(cfg: Config, started: float) -> dict[str, Any]:
-    """What a failed training leaves to report: the run folder's totals up to the failure."""
-    metrics = read_metrics(RunDir(cfg.run_dir).metrics)
-    return {"steps": metrics[-1]["step"] if metrics else 0, **training_report(cfg.run_dir, started)}
-
-
-def log_outcome(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any]) -> None:
+def log_outcome(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[str, Any], report: TrainingReport) -> None:
     """Totals at the end (the per-step points, checkpoints, faults and recoveries went live): recovery
-    totals, goodput and badput by category (fractions of the wall time), the costs the planner reads
+    totals, goodput and badput by category (fractions of the run's wall time), the costs the planner reads
     (`python -m pipelines plan --run-id`), the interval choice's reason, a give-up's record, plots, train.log."""
     run_dir = RunDir(cfg.run_dir)
-    totals = {"step": result["steps"], "faults_injected": len(read_events(cfg.run_dir, "fault")),
-              **result["recovery_totals"]}
+    totals = {"step": result["steps"], "faults_injected": result["faults_injected"], **result["recovery_totals"]}
     if result.get("goodput") is not None:
         totals["goodput"] = result["goodput"]
         wall = result["job_wall_seconds"]
         totals.update({f"badput_{name}": seconds / wall for name, seconds in result["badput_seconds"].items()})
-    totals.update({f"cost_{name}": value for name, value in measured_costs(cfg.run_dir).items()})
+    totals.update({f"cost_{name}": value for name, value in result["costs"].items()})
     tags = {}
-    chosen = read_events(cfg.run_dir, "checkpoint_interval_chosen")  # checkpoint.interval_steps=auto
+    chosen = result.get("checkpoint_interval_chosen")  # checkpoint.interval_steps=auto
     if chosen:
-        totals["checkpoint_interval_steps_chosen"] = chosen[-1]["interval_steps"]
-        tags["checkpoint_interval_reason"] = chosen[-1]["reason"][:5000]
+        totals["checkpoint_interval_steps_chosen"] = chosen["interval_steps"]
+        tags["checkpoint_interval_reason"] = chosen["reason"][:5000]
     gave_up = read_gave_up(cfg.run_dir)
     if gave_up is not None:
         tags["restart_budget_gave_up"] = gave_up["message"][:5000]
     mlflow.log_metrics(run, [totals])
     if tags:
         mlflow.set_tags(run, tags)
-    metrics = read_metrics(run_dir.metrics)
-    if metrics:
-        for path in training_plots(metrics, checkpoint_metric_records(cfg.run_dir), read_events(cfg.run_dir, "fault"),
-                                   read_events(cfg.run_dir, "recovery"), run_dir.plots):
-            mlflow.log_artifact(run, path, "plots")
+    for path in report.plots(run_dir.plots):
+        mlflow.log_artifact(run, path, "plots")
     if run_dir.train_log.is_file():
         mlflow.log_artifact(run, run_dir.train_log)

@@ -32,11 +32,11 @@ from typing import Any, Callable
 from kubernetes.client.exceptions import ApiException
 
 from components.train.local import JobCancelled, cancel_on_sigterm
-from components.train.report import training_report
 from trainer.config import Config
 from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, LAUNCHER_ENV, RENDEZVOUS_NODES_ENV
 from trainer.launch.command import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
 from trainer.resilience.budget import read_gave_up
+from trainer.run.history import record_train_launch, record_train_launch_ended
 from trainer.run.lease import RunLease
 from trainer.run.run_dir import RunDir, read_json, write_json
 
@@ -270,14 +270,22 @@ class TrainJobLauncher:
         self._write_record({**(self._record() or {}), "name": name, "state": "Deleted", "message": why})
 
     def run(self, data_dir: str) -> dict[str, Any]:
-        """Submit or re-attach, wait, and return the trainer's result.json from the shared file system."""
+        """Submit or re-attach, wait, and return the trainer's result.json from the shared file system, with
+        `launched_at` (the submission: the launch's start, recorded with the run, and its end: trainer.run.history)."""
         with RunLease(self.cfg.run_dir) as lease, cancel_on_sigterm():
             name = self.submit(data_dir, lease)
+            launched_at = (self._record() or {}).get("submitted_at")
+            record_train_launch(self.cfg.run_dir, launched_at)
+            outcome = "failed"
             try:
                 job = self.wait(name)
+                outcome = job_state(job).lower()
             except (JobCancelled, KeyboardInterrupt):
+                outcome = "cancelled"
                 self.delete(name, "the pipeline step was cancelled")
                 raise
+            finally:
+                record_train_launch_ended(self.cfg.run_dir, launched_at, outcome)
         if job_state(job) == "Failed":
             gave_up = read_gave_up(self.cfg.run_dir)
             why = gave_up["message"] if gave_up and gave_up.get("time", 0) >= (self._record() or {}).get(
@@ -290,8 +298,7 @@ class TrainJobLauncher:
             raise InfrastructureError(f"TrainJob {name} succeeded but {self.run_dir.result} is missing: is "
                                       f"{self.cfg.kubernetes.fsx_pvc} mounted at {self.cfg.fsx_root} in both the "
                                       "pipeline and the training pods?")
-        return {**result, **training_report(self.cfg.run_dir, (self._record() or {}).get("submitted_at")),
-                "trainjob": name}
+        return {**result, "launched_at": launched_at, "trainjob": name}
 
 
 def _failure_message(job: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ import pytest
 from pipelines.demo_data import demo_files
 from trainer.config import load_config
 from trainer.data.shards import tokenize_files
+from trainer.run.events import read_events
 
 # Small enough for 2 CPU ranks in seconds; still the real model, FSDP2, gloo and DCP.
 # Straggler reports every 5 steps: every clean run of the suite is a check for false positives (the audit below).
@@ -56,8 +57,7 @@ def no_straggler_in_clean_runs(request, tmp_path, tmp_path_factory):
     yield
     audit = tmp_path_factory.getbasetemp() / AUDIT
     for events_dir in tmp_path.rglob("events"):
-        records = [json.loads(line) for path in events_dir.glob("rank-*.jsonl")
-                   for line in path.read_text().splitlines() if line.strip().startswith("{")]
+        records = read_events(events_dir.parent)
         if any(r["event"] == "fault" and r.get("fault_type") == "straggler" for r in records):
             continue
         reports = [r for r in records if r["event"] == "straggler_report"]

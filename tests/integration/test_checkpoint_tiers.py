@@ -18,12 +18,12 @@ from pathlib import Path
 import boto3
 import pytest
 
-from components.train.report import read_metrics
 from pipelines.local_stack import S3Server
 from trainer.checkpoint.node_store import RankStore
 from trainer.env import NODE_STORE_ENV
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
+from tests.metrics import losses_by_step
 
 pytestmark = pytest.mark.integration
 
@@ -61,7 +61,7 @@ def trained(module_s3_server, tmp_path_factory, token_dir, training_config):
     shutil.copytree(cfg.checkpoint_dir, pristine / "checkpoints")
     objects = {o["Key"]: s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
                for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"]}
-    losses = {r["step"]: r["loss"] for r in read_metrics(RunDir(cfg.run_dir).metrics)}
+    losses = losses_by_step(RunDir(cfg.run_dir).metrics)
     return cfg, store, pristine, objects, trained, losses
 
 

@@ -7,11 +7,11 @@ import time
 import pytest
 
 from components.train.local import job_processes, run_local_training
-from components.train.report import read_metrics
 from tests.launch import start_launcher
 from trainer.checkpoint.format import (committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name,
                                        verify_checkpoint)
 from trainer.run.events import read_events
+from tests.metrics import losses_by_step
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def kill_during_a_save(cfg, token_dir, rng, timeout=120.0, delay=0.4):
 
 
 def losses(cfg):
-    return {r["step"]: r["loss"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    return losses_by_step(cfg.run_dir / "metrics.jsonl")
 
 
 def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(tmp_path, token_dir, training_config):

@@ -7,9 +7,9 @@ from FSx would lose 2 steps.
 import pytest
 
 from components.train.local import run_local_training
-from components.train.report import read_metrics
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
+from tests.metrics import losses_by_step
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ STEPS = ["--training.num_steps=8", "--checkpoint.interval_steps=3", "--resilienc
 
 
 def _losses(cfg):
-    return {r["step"]: r["loss"] for r in read_metrics(RunDir(cfg.run_dir).metrics)}
+    return losses_by_step(RunDir(cfg.run_dir).metrics)
 
 
 @pytest.fixture(scope="module")

@@ -131,29 +131,35 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert sorted(by_step) == ["evaluate", "stage", "train", "validate"]
     assert all(run.info.status == "FINISHED" for run in children)
     losses = client.get_metric_history(by_step["train"].info.run_id, "loss")
-    # Forwarded while training: one point per metrics.jsonl line (a replayed step, if any, twice, as there).
+    # Forwarded while training: one point per step, its first record's (a replayed step, if any, once).
     lines = read_jsonl(work / "fsx" / "runs" / "e2e" / "metrics.jsonl")
-    assert sorted((m.step, m.value) for m in losses) == sorted((r["step"], r["loss"]) for r in lines)
+    first = {}
+    for record in lines:
+        first.setdefault(record["step"], record["loss"])
+    assert sorted((m.step, m.value) for m in losses) == sorted(first.items())
     assert {m.step for m in losses} == {1, 2, 3, 4, 5, 6}
-    stalls = client.get_metric_history(by_step["train"].info.run_id, "checkpoint_blocking_seconds")
     # checkpoint.interval_steps=3. The SIGKILL drill at step 4 may cut the first (slow) save of step 3 short —
     # its write done on every rank but its commit (rank 0's commit thread) killed — and the restart resumes
-    # from node memory at step 4, so nothing saves step 3 again. A save is a checkpoint once committed: MLflow
-    # has one point per committed checkpoint, which a written-but-uncommitted save is not.
+    # from node memory at step 4, so nothing saves step 3 again. What a save cost the loop is one record per
+    # save started (reduced over the ranks); a save is a checkpoint once committed: one point each.
     run_dir = work / "fsx" / "runs" / "e2e"
+    train_run = by_step["train"].info.run_id
     committed = sorted(e["step"] for e in read_events(run_dir, "checkpoint_committed"))
-    written = {e["step"] for e in read_events(run_dir, "checkpoint_written") if e["rank"] == 0}
-    assert [m.step for m in stalls] == committed and 6 in committed and set(committed) <= written <= {3, 6}
+    started = sorted(e["step"] for e in read_events(run_dir, "checkpoint_stall"))
+    assert [m.step for m in client.get_metric_history(train_run, "checkpoint_background_seconds")] == committed
+    assert sorted(m.step for m in client.get_metric_history(train_run, "checkpoint_blocking_seconds")) == started
+    assert 6 in committed and set(committed) <= set(started) <= {3, 6}
     assert by_step["validate"].data.metrics["checks_passed"] == 4
     assert by_step["stage"].data.metrics["objects"] == 4
     train = by_step["train"]
     assert train.data.metrics["recoveries"] == 1 and train.data.metrics["recoveries_ft_launcher"] == 1
     artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
-    assert {"recovery_events.json", "train.log", "plots"} <= artifacts
+    assert {"recovery_events", "train.log", "plots"} <= artifacts  # the table's parts (it grows by appending)
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
         "plots/loss.png", "plots/throughput.png", "plots/checkpoint_stall.png", "plots/recovery_timeline.png"}
     # The training node's own system metrics (its launcher samples them into the run folder), not the step's.
-    assert train.data.metrics["system/node-0/cpu_utilization_percentage"] >= 0
+    assert train.data.metrics["system/cpu_utilization_percentage/max"] >= 0
+    assert train.data.metrics["system/cpu_utilization_percentage/max_node"] == 0  # the one node, node-0
     evaluate = by_step["evaluate"]
     assert "generations.json" in {a.path for a in client.list_artifacts(evaluate.info.run_id)}
     assert evaluate.data.tags["promoted"] == "true" and parent.data.tags["promoted"] == "true"
@@ -275,11 +281,12 @@ def test_a_crash_loop_fails_the_run_and_mlflow_holds_everything_up_to_it(success
     assert "exception@5:rank=0:repeat" in train.data.tags["restart_budget_gave_up"]
     lines = read_jsonl(run_dir / "metrics.jsonl")
     losses = client.get_metric_history(train.info.run_id, "loss")
-    assert len(losses) == len(lines) and {m.step for m in losses} == {1, 2, 3, 4}
+    assert len(losses) == len({r["step"] for r in lines})  # one point per step (a replay would add none)
+    assert {m.step for m in losses} == {1, 2, 3, 4}
     assert train.data.metrics["recoveries"] == 1  # the sigkill at 2, recovered before the loop began
     assert len(client.get_metric_history(train.info.run_id, "fault")) == 1 + 3  # the sigkill, the loop's three
     artifacts = {a.path for a in client.list_artifacts(train.info.run_id)}
-    assert {"recovery_events.json", "train.log", "plots"} <= artifacts
+    assert {"recovery_events", "train.log", "plots"} <= artifacts  # the table's parts (it grows by appending)
     assert "plots/loss.png" in {a.path for a in client.list_artifacts(train.info.run_id, "plots")}
 
 
@@ -311,3 +318,33 @@ def test_a_failing_demo_upload_writes_the_summary_instead_of_a_traceback(tmp_pat
     assert proc.stdout.strip().splitlines()[-1] == str(summary_path)
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "failed" and summary["errors"][0]["step"] == "local stack"
+
+
+def test_the_same_run_id_again_continues_the_run(successful_run, work, mlflow_server):
+    """Issue 32: the same command with the same run.run_id and more steps continues the run — from its last
+    checkpoint, with goodput over the run's launches (not above 1), the changed setting recorded in MLflow
+    (not a refused param), and a console that shows what this launch trains."""
+    from mlflow.tracking import MlflowClient
+
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e",
+                   *[a for a in FAST if not a.startswith("--training.num_steps")], "--training.num_steps=9",
+                   f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--faults.schedule=sigkill@4:rank=1",
+                   "--data.tokenize_tasks=2", cwd=work)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "  train          running (steps 7-9: the run continues from step 6)" in proc.stdout
+    shown = [line.split("  loss")[0] for line in proc.stdout.splitlines() if line.startswith("  train  step")]
+    assert shown and all(int(line.split()[-1].split("/")[0]) > 6 for line in shown), shown
+    summary = json.loads((work / "fsx" / "runs" / "e2e" / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["steps_trained"] == 9
+    assert summary["mlflow_rejected_records"] == 0 and summary["mlflow_pending_records"] == 0
+    assert 0 < summary["goodput"] <= 1 and summary["recoveries"] == 1  # the first launch's sigkill, not again
+
+    client = MlflowClient(mlflow_server.tracking_uri)
+    experiment = client.get_experiment_by_name("resilient-train-local").experiment_id
+    [parent] = client.search_runs([experiment], filter_string="tags.pipeline_run_id = 'e2e' and "
+                                                              "tags.pipeline_step = 'pipeline'")
+    assert parent.info.status == "FINISHED" and parent.data.params["training.num_steps"] == "6"
+    assert parent.data.tags["continuation_1"] == "training.num_steps: 6 -> 9" and parent.data.tags["continuations"] == "1"
+    [train] = client.search_runs([experiment], filter_string="tags.pipeline_run_id = 'e2e' and "
+                                                             "tags.pipeline_step = 'train'")
+    assert sorted(m.step for m in client.get_metric_history(train.info.run_id, "loss")) == list(range(1, 10))

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from components.train.local import TrainingError, run_local_training
-from components.train.report import read_metrics
 from trainer.run.events import read_events
+from tests.metrics import losses_by_step
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ SCHEDULE = ("exception@3:rank=0, sigkill@7:rank=1, exit@11:rank=0, hang@15:rank=
 
 
 def _losses(cfg):
-    return {r["step"]: r["loss"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    return losses_by_step(cfg.run_dir / "metrics.jsonl")
 
 
 def test_every_fault_type_is_recovered_with_bit_identical_losses(tmp_path, token_dir, training_config):

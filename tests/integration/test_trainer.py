@@ -7,6 +7,9 @@ import pytest
 from components.train.local import TrainingError, run_local_training
 from components.train.report import read_metrics
 from trainer.checkpoint.format import committed_checkpoints, verify_checkpoint
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir, read_jsonl
+from tests.metrics import losses_by_step
 
 pytestmark = pytest.mark.integration
 
@@ -25,10 +28,21 @@ def test_training_lowers_the_loss_and_commits_verified_checkpoints(trained_run):
     assert sum(1 for name in manifest["files"] if name.endswith(".distcp")) == 2  # one shard file per rank
 
 
+def test_each_save_is_one_record_of_the_worst_rank_not_one_per_rank(trained_run):
+    """Issue 32: what a save cost the loop is reduced over every rank (an asynchronous all-reduce after the
+    hand-off: trainer.checkpoint.commit) and recorded once, by rank 0 — the last save's too."""
+    cfg, _ = trained_run
+    stalls = read_events(cfg.run_dir, "checkpoint_stall")
+    assert [(s["step"], s["rank"], s["ranks"]) for s in stalls] == [(4, 0, 2), (8, 0, 2)]
+    assert all(s["loop_wait_seconds"] >= s["handoff_seconds"] >= 0 for s in stalls)
+    assert {r["rank"] for r in read_jsonl(RunDir(cfg.run_dir).periodic_log)} == {0}
+    assert not RunDir(cfg.run_dir).legacy_events()  # no file per rank
+
+
 def test_resume_from_an_earlier_checkpoint_replays_bit_identical_losses(trained_run, tmp_path, token_dir,
                                                                        training_config):
     cfg, _ = trained_run
-    reference = {r["step"]: r["loss"] for r in read_metrics(cfg.run_dir / "metrics.jsonl")}
+    reference = losses_by_step(cfg.run_dir / "metrics.jsonl")
 
     # A run that "lost" its newest checkpoint: only step 4 survives, so steps 5-8 are replayed.
     resumed = training_config(tmp_path, "resumed", "--training.num_steps=8", "--checkpoint.interval_steps=4")
@@ -36,7 +50,7 @@ def test_resume_from_an_earlier_checkpoint_replays_bit_identical_losses(trained_
     result = run_local_training(resumed, token_dir)
 
     assert result["steps"] == 8 and result["steps_this_launch"] == 4
-    replayed = {r["step"]: r["loss"] for r in read_metrics(resumed.run_dir / "metrics.jsonl")}
+    replayed = losses_by_step(resumed.run_dir / "metrics.jsonl")
     assert sorted(replayed) == [5, 6, 7, 8]
     assert all(replayed[s] == reference[s] for s in replayed), (replayed, reference)
 

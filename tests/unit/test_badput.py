@@ -16,7 +16,8 @@ from trainer.config import load_config
 from trainer.env import BUDGET_SINCE_ENV
 from trainer.observe.progress import ProgressReporter
 from trainer.planning.measured import badput_breakdown, measured_costs
-from trainer.run.events import EventLog, run_started_at
+from trainer.run.events import EventLog
+from trainer.run.history import control_state
 from trainer.run.run_dir import RunDir
 
 T0 = 1_000_000.0
@@ -35,11 +36,10 @@ def _write_run(path, *, mode="async"):
         now += 1.0
         records.append({"step": step, "time": now, "step_seconds": 1.0, "data_seconds": 0.1})
     run.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
-    for rank, events in enumerate(ranks):
-        for step, wait in ((4, 0.3), (8, 0.5)):
-            events.write("checkpoint_stall", step=step, mode=mode, loop_wait_seconds=wait + 0.1 * rank,
-                         handoff_seconds=0.05, previous_save_seconds=0.0, barrier_seconds=0.0, memory_seconds=0.0,
-                         memory_copies=0)
+    for step, wait in ((4, 0.3), (8, 0.5)):  # one record per save, the worst of the two ranks (rank 1: +0.1)
+        ranks[0].write("checkpoint_stall", step=step, mode=mode, ranks=2, loop_wait_seconds=wait + 0.1,
+                       handoff_seconds=0.05, previous_save_seconds=0.0, barrier_seconds=0.0, memory_seconds=0.0,
+                       memory_copies=0, write_seconds=2.0)
     for step in (4, 8):
         ranks[0].write("checkpoint_committed", step=step, mode=mode, bytes=1, blocking_seconds=0.05,
                        write_seconds=2.0, commit_seconds=0.1, background_seconds=2.05, mb_per_second=1.0, path="x")
@@ -81,24 +81,28 @@ def test_measured_costs_are_what_the_planner_takes(tmp_path):
     assert measured_costs(sync_dir)["sync_stall_seconds"] == pytest.approx(0.6)
 
 
-def test_the_trainjob_status_and_the_report_take_the_run_start_from_one_function(tmp_path, monkeypatch):
+def test_the_trainjob_status_and_the_report_count_the_run_wall_time_with_one_function(tmp_path):
     """Issue 31: the goodput of the TrainJob status (trainer.observe.progress) and the report's
-    (components.train.report) count from trainer.run.events.run_started_at — the launch's start (the train
-    step's, which every process of the launch has in BUDGET_SINCE_ENV), else the first process start. The
-    status used to count from the first launch record's time, written after that process's start-up, and the
-    report from the launch: the two goodputs disagreed by the start-up."""
+    (components.train.report) had two origins (the first launch record, written after start-up; the launch).
+    Issue 32: both count the run's wall time with trainer.run.history.ControlState.run_wall_seconds — its
+    launches' (a continuation adds one; the gaps between launches are nobody's), or, started by hand, from the
+    first process."""
     cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=start"])
     finished = _write_run(cfg.run_dir)  # its launch record is written now, long after its process started (T0)
-    monkeypatch.delenv(BUDGET_SINCE_ENV, raising=False)
-    status = ProgressReporter(cfg, rank=0, nodes=1, environ={})
+    history = control_state(cfg.run_dir)
+    status = ProgressReporter(cfg, rank=0, nodes=1, environ={}, history=history,
+                              launched_at=history.first_process_started_at)  # started by hand (trainer.job.startup)
     report = training_report(cfg.run_dir, None)
-    assert status.run_started_at == run_started_at(cfg.run_dir) == T0
-    assert finished - report["job_wall_seconds"] == pytest.approx(T0)
+    assert status.wall_seconds(finished) == pytest.approx(report["job_wall_seconds"]) == pytest.approx(finished - T0)
 
-    launched = T0 - 3.0  # the train step started the launch 3 s before the first process started
-    monkeypatch.setenv(BUDGET_SINCE_ENV, repr(launched))
-    status = ProgressReporter(cfg, rank=0, nodes=1, environ={})
-    monkeypatch.delenv(BUDGET_SINCE_ENV)  # the train step's own process: it passes its launch's start
+    # A continuation: the train step's earlier launch ran 100 s; this one started 3 s before its first process.
+    train_step = EventLog(cfg.run_dir, None)
+    train_step.write("train_launch", started_at=T0 - 500.0)
+    train_step.write("train_launch_ended", started_at=T0 - 500.0, finished_at=T0 - 400.0)
+    launched = T0 - 3.0
+    train_step.write("train_launch", started_at=launched)
+    status = ProgressReporter(cfg, rank=0, nodes=1, environ={}, history=control_state(cfg.run_dir), launched_at=launched)
     report = training_report(cfg.run_dir, launched)
-    assert status.run_started_at == launched
-    assert finished - report["job_wall_seconds"] == pytest.approx(launched)
+    assert status.wall_seconds(finished) == pytest.approx(report["job_wall_seconds"])
+    assert report["job_wall_seconds"] == pytest.approx(100.0 + finished - launched)
+    assert 0 < report["goodput"] <= 1

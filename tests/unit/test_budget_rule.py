@@ -11,6 +11,7 @@ from trainer.planning.survival import job_survival, pod_restart_budget, poisson_
 from trainer.resilience.budget import (RestartBudget, RestartBudgetExhausted, attempt_history, budget_since,
                                        no_progress_streak)
 from trainer.run.events import EventLog
+from trainer.run.history import control_state
 
 
 @pytest.mark.parametrize("resumes, current, streak", [
@@ -29,7 +30,8 @@ def test_the_streak_counts_recoveries_that_did_not_advance_the_state(resumes, cu
 
 def _budget(tmp_path, limit=2, layer="ft_launcher", generation=1):
     return RestartBudget(tmp_path, rank=0, events=EventLog(tmp_path, 0), limit=limit, in_process_limit=1,
-                         layer=layer, generation=generation, process_started_at=0.0, broadcast=lambda value: value)
+                         layer=layer, generation=generation, process_started_at=0.0, broadcast=lambda value: value,
+                         history=control_state(tmp_path, save=True))  # as rank 0 folds it at a start
 
 
 def test_the_budget_gives_up_once_and_names_the_step_the_fault_and_the_layer(tmp_path, monkeypatch):

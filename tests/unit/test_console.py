@@ -12,6 +12,7 @@ import logging
 from kfp.local import logging_utils, status
 
 from pipelines.console import PipelineConsole, TrainingProgress
+from trainer.run.events import append_record
 from trainer.run.run_dir import RunDir
 
 
@@ -74,10 +75,10 @@ def write_metrics(run_dir, steps, loss=2.0):
 
 
 def write_event(run_dir, rank, **record):
-    path = RunDir(run_dir).events_of(rank)
+    """A control record as a rank appends it (trainer.run.events)."""
+    path = RunDir(run_dir).control_log
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        handle.write(json.dumps({"rank": rank, "time": record.pop("time", 1.0), **record}) + "\n")
+    append_record(path, {"rank": rank, "time": record.pop("time", 1.0), **record})
 
 
 def test_off_a_terminal_progress_is_a_line_per_quarter_and_a_line_per_fault_and_recovery(tmp_path):
@@ -88,7 +89,7 @@ def test_off_a_terminal_progress_is_a_line_per_quarter_and_a_line_per_fault_and_
         handle.write('{"step": 61, "lo')  # being written: read once complete
     progress.poll()
     write_event(tmp_path, 1, event="fault", fault_type="sigkill", key="sigkill@60:rank=1", step=60, time=2.0)
-    for rank in (0, 1):  # every rank records the recovery
+    for rank in (0, 1):  # the same recovery recorded twice (a retried record): one line
         write_event(tmp_path, rank, event="recovery", fault_key="sigkill@60:rank=1", restart_iteration=1, first_step=51,
                     mechanism="ft_launcher", reloaded_step=50, reload_source="disk", lost_steps=10,
                     recovery_seconds=5.25, time=3.0)

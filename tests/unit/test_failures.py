@@ -43,12 +43,15 @@ def test_each_failed_attempt_gets_its_sentence_and_a_drill_reads_as_such(tmp_pat
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")  # the restart after it hangs in its start-up
     EventLog(tmp_path, 1).write("hang", phase="restore_fsx", seconds=61.2, timeout_seconds=60.0, step=None)
     record_failure(tmp_path, 0, GLOO_PEER_GONE, "restore_fsx", 0)
-    assert [found["cause"] for found in explain_restarts(tmp_path, time.time() + 1, world_size=2)] == [
+    explained = explain_restarts(tmp_path, time.time() + 1, world_size=2)
+    assert [found["cause"] for found in explained] == [
         "rank 1 failed first: was killed by SIGKILL after step 30 (drill sigkill@30:rank=1)",
         "rank 1 failed first: hung in start-up phase restore_fsx (no progress for 61 s, timeout 60 s); "
         "1 other rank(s) failed after it (lost peer)"]
-    # Records before the last recovery were explained by it.
-    EventLog(tmp_path, 0).write("recovery", fault_key=None)
+    # Records before the last recovery were explained by it (as the hooks write it: the faults it answers, and
+    # where its explanation stopped reading).
+    EventLog(tmp_path, 0).write("recovery", fault_key="sigkill@30:rank=1", fault_keys=["sigkill@30:rank=1"],
+                                failures_offset=explained[-1]["failures_offset"])
     [found] = explain_restarts(tmp_path, time.time() + 1, world_size=2)
     assert found["cause"].startswith("no rank recorded a failure")
 

@@ -38,7 +38,8 @@ ENTRY_POINTS = {"trainer.launcher": "trainer.launch.launcher", "trainer.rendezvo
 ROOT_MODULES = {"trainer", "trainer.__main__", "trainer.env", *ENTRY_POINTS}
 FORK_SERVER = "trainer.launch.warm_start"  # its job is to import the trainer ahead of time, inside its functions
 RUN_DIR_NAMES = ["config.yaml", "result.json", "metrics.jsonl", "train.log", "summary.json", "generations.json",
-                 "lease.lock", "lease.json", "trainjob.json", "mlflow-spool", "rejected.jsonl", "pipeline.log"]
+                 "lease.lock", "lease.json", "trainjob.json", "mlflow-spool", "rejected.jsonl", "pipeline.log",
+                 "control.jsonl", "failures.jsonl", "periodic.jsonl", "control-state.json", "samples.jsonl"]
 NGC_BASE = {"torch"}  # what the training image's base brings (docker/trainer.Dockerfile)
 
 

@@ -126,7 +126,7 @@ def test_a_failing_or_missing_server_never_holds_up_or_stops_training(tmp_path, 
     refusing = _Server(code=500)
     for url in (refusing.url, "http://127.0.0.1:9/status"):  # a 500, and nothing listening
         clock = [1000.0]
-        reporter = ProgressReporter(cfg, rank=0, nodes=1, run_started_at=990.0, clock=lambda: clock[0],
+        reporter = ProgressReporter(cfg, rank=0, nodes=1, launched_at=990.0, clock=lambda: clock[0],
                                     environ={TRAINER_SERVER_URL_ENV: url, TRAINER_SERVER_TOKEN_ENV: str(tmp_path / "absent")})
         started = time.perf_counter()
         for step in range(1, 40):
@@ -144,7 +144,7 @@ def test_the_reporter_throttles_and_writes_the_status_the_train_step_logs(tmp_pa
                                 "--kubernetes.progress_interval_seconds=30"])
     server = _Server()
     clock = [1000.0]
-    reporter = ProgressReporter(cfg, rank=0, nodes=1, run_started_at=1000.0, restarted=True,
+    reporter = ProgressReporter(cfg, rank=0, nodes=1, launched_at=1000.0, restarted=True,
                                 clock=lambda: clock[0], environ={TRAINER_SERVER_URL_ENV: server.url})
     for step in range(1, 61):
         clock[0] += 1.0
@@ -166,8 +166,8 @@ def test_the_reporter_throttles_and_writes_the_status_the_train_step_logs(tmp_pa
 
 def test_other_ranks_and_runs_without_the_server_send_nothing(tmp_path):
     cfg = load_config("local", [f"--run.work_dir={tmp_path}", "--run.run_id=p"])
-    assert ProgressReporter(cfg, rank=1, nodes=1, run_started_at=0, environ={TRAINER_SERVER_URL_ENV: "http://x"}).sender is None
-    local = ProgressReporter(cfg, rank=0, nodes=1, run_started_at=0, environ={})
+    assert ProgressReporter(cfg, rank=1, nodes=1, launched_at=0, environ={TRAINER_SERVER_URL_ENV: "http://x"}).sender is None
+    local = ProgressReporter(cfg, rank=0, nodes=1, launched_at=0, environ={})
     assert local.sender is None
     local.observe(1, {"loss": 1.0})
     assert cfg.run_dir.joinpath("trainer_status.json").is_file()  # the train step's log still gets it

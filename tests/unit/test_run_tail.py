@@ -1,9 +1,12 @@
-"""The one tail reader of the run folder (trainer.run.tail): whole lines after an offset, as the forwarder,
-the console and a restarted forwarder read them."""
+"""The one tail reader of the run folder (trainer.run.tail) and the shared streams' appends
+(trainer.run.events.append_record): whole lines after an offset, the last record read from the end, and a line
+torn by a writer killed mid-write that never takes the next writer's record with it."""
 
 import json
+import os
 
-from trainer.run.tail import read_lines_before, read_new_lines
+from trainer.run.events import append_record
+from trainer.run.tail import read_last_record, read_new_lines
 
 
 def test_whole_lines_after_the_offset_and_a_line_being_written_waits(tmp_path):
@@ -26,5 +29,31 @@ def test_a_torn_line_is_skipped_and_what_came_before_an_offset_reads_back(tmp_pa
     assert records == [{"step": 1}, {"step": 3}]
     with path.open("a") as handle:
         handle.write('{"step": 4}\n')
-    assert read_lines_before(path, offset) == [{"step": 1}, {"step": 3}]
-    assert read_lines_before(path, 0) == [] and read_lines_before(tmp_path / "absent", 10) == []
+    assert read_new_lines(path, 0, until=offset) == ([{"step": 1}, {"step": 3}], offset)
+    assert read_new_lines(path, 0, until=0) == ([], 0) and read_new_lines(tmp_path / "absent", 0, until=10) == ([], 0)
+
+
+def test_a_shared_stream_loses_only_the_line_a_killed_writer_was_writing(tmp_path):
+    """Many ranks append to one stream: a writer killed mid-line leaves a fragment with no newline, and the next
+    writer's leading newline ends it there, so the next record stays whole (with plain `json + "\\n"` appends,
+    the fragment and the next record would share a line and both be lost)."""
+    path = tmp_path / "control.jsonl"
+    append_record(path, {"event": "attempt", "n": 1})
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    os.write(fd, b'\n{"event": "fault", "key": "sig')  # the writer dies here
+    os.close(fd)
+    append_record(path, {"event": "recovery", "n": 2})
+    records, offset = read_new_lines(path, 0)
+    assert records == [{"event": "attempt", "n": 1}, {"event": "recovery", "n": 2}]
+    assert offset == path.stat().st_size
+
+
+def test_the_last_record_is_read_from_the_end_and_can_be_the_last_before_a_time(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with path.open("w") as handle:
+        for step in range(1, 20_001):  # ~1 MB: several blocks back
+            handle.write(json.dumps({"step": step, "time": float(step), "pad": "x" * 30}) + "\n")
+        handle.write('{"step": 20001, "ti')  # being written
+    assert read_last_record(path)["step"] == 20_000
+    assert read_last_record(path, before=500.5)["step"] == 500
+    assert read_last_record(path, before=1.0) is None and read_last_record(tmp_path / "absent") is None

@@ -175,7 +175,9 @@ def test_each_new_job_runs_under_a_new_lease_generation_and_a_reattach_keeps_it(
 
 
 def test_goodput_on_the_cluster_comes_from_the_run_folder(cfg):
-    """The same computation as on one machine (components.train.training_report), not 0.0."""
+    """The same computation as on one machine (components.train.report, from the launch the launcher
+    returns), not 0.0."""
+    from components.train.report import training_report
     from trainer.run.events import EventLog
 
     api = FakeCustomObjects(states=("Complete",))
@@ -184,10 +186,13 @@ def test_goodput_on_the_cluster_comes_from_the_run_folder(cfg):
     EventLog(cfg.run_dir, 0).write("recovery", mechanism="ft_launcher", lost_steps=3, recovery_seconds=20.0)
     with (cfg.run_dir / "metrics.jsonl").open("w") as metrics:
         for step in range(1, 11):
-            metrics.write(json.dumps({"step": step, "loss": 1.0, "step_seconds": 6.0}) + "\n")
+            metrics.write(json.dumps({"step": step, "loss": 1.0, "step_seconds": 6.0,
+                                      "time": submitted + 30.0 + 6.0 * step}) + "\n")
     (cfg.run_dir / "result.json").write_text(json.dumps({"steps": 10, "final_loss": 1.5,
                                                          "finished_at": submitted + 100.0}))
-    result = launcher.run("/d")
+    outcome = launcher.run("/d")
+    assert outcome["launched_at"] == submitted
+    result = training_report(cfg.run_dir, outcome["launched_at"])
     assert result["goodput"] == pytest.approx(60.0 / 100.0)
     assert result["recovery_totals"] == {"recoveries": 1, "lost_steps": 3, "recovery_seconds_total": 20.0,
                                          "recoveries_ft_launcher": 1}

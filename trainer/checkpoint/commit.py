@@ -5,6 +5,12 @@ one save is in flight, its commit included; once a write has completed on every 
 (manifest with every file's size and xxh3-128 hash, fsync, an atomic rename to ``step-N``) on a background
 thread, then applies retention (trainer.checkpoint.retention). Every ``checkpoint.s3_every`` commits, the
 folder is uploaded on a thread of its own and kept until it is sent.
+
+What a save cost every rank becomes one record, not one per rank: right after the hand-off every rank issues an
+asynchronous all-reduce (MAX) of its figures for that save and goes on training — the loop never waits for it,
+so the stall it measures gains nothing. Once it has completed (the next step's poll, a few milliseconds later),
+rank 0 writes the save's ``checkpoint_stall`` record (the worst rank's loop wait, hand-off, barrier, node-memory
+copies) from its commit thread.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -34,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # DCP raises CheckpointException (a BaseException) on every rank when any rank's write failed.
 WRITE_FAILURES = (Exception, CheckpointException)
+# A save's figures as every rank reduces them (MAX) after its hand-off: the worst rank's.
+STALL_FIGURES = ("loop_wait_seconds", "handoff_seconds", "barrier_seconds", "previous_save_seconds",
+                 "memory_seconds", "memory_copies")
 
 
 @dataclass
@@ -53,8 +63,11 @@ class FsxSaves:
 
     def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, backend: Any,
                  metadata: dict[str, Any], events: EventLog, costs: SaveCosts, retention: Retention,
-                 s3: S3Tier | None, save_point: Callable[[str, int], str | None], fence=None):
+                 s3: S3Tier | None, save_point: Callable[[str, int], str | None], fence=None,
+                 device: torch.device | None = None):
         self._directory, self._cfg, self._rank, self._backend = Path(directory), cfg, rank, backend
+        self._device = device if device is not None else torch.device("cpu")  # where the reduction's tensor lives
+        self._reduction: tuple[Any, torch.Tensor] | None = None  # (async work, figures) of the newest save
         self._metadata, self._events, self._costs, self._retention = metadata, events, costs, retention
         self._s3, self._save_point, self._fence = s3, save_point, fence
         self.last_saved_step: int | None = None  # the newest save started (and not failed), or resumed from
@@ -81,6 +94,7 @@ class FsxSaves:
             if staging.exists():  # left by a crash mid-save: never committed, safe to drop
                 shutil.rmtree(staging)
             staging.mkdir(parents=True)
+        self._record_stall(wait=True)  # the last save's reduction completed long ago: its record, if not yet
         barrier_from = time.perf_counter()
         dist.barrier()
         started = time.perf_counter()
@@ -99,8 +113,35 @@ class FsxSaves:
         return {"previous_save_seconds": previous_save_seconds, "barrier_seconds": barrier_seconds,
                 "handoff_seconds": blocking}
 
+    def reduce_stall(self, step: int, stall: dict[str, Any]) -> None:
+        """Collective, asynchronous: this rank's figures of the save just handed off (the loop's wait for it),
+        reduced over every rank (MAX) while training goes on; recorded once complete (poll)."""
+        figures = torch.tensor([float(step), *(float(stall.get(k) or 0.0) for k in STALL_FIGURES)],
+                               dtype=torch.float64, device=self._device)
+        work = dist.all_reduce(figures, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
+        self._reduction = (work, figures)
+
+    def _record_stall(self, wait: bool) -> None:
+        """Rank 0 records the reduced figures of the last save once its all-reduce completed (wait: now)."""
+        if self._reduction is None:
+            return
+        work, figures = self._reduction
+        if work is not None:
+            if not wait and not work.is_completed():
+                return
+            work.wait()
+        self._reduction = None
+        if self._rank != 0:
+            return
+        step, *worst = figures.tolist()
+        record = {"step": int(step), "mode": self._backend.name,
+                  "ranks": dist.get_world_size() if dist.is_initialized() else 1, **dict(zip(STALL_FIGURES, worst))}
+        record["memory_copies"] = int(record["memory_copies"])
+        self._commits.submit(self._events.write, "checkpoint_stall", **record)
+
     def poll(self) -> None:
-        """Finish a background write that completed (rank 0 then commits it)."""
+        """Finish a background write that completed (rank 0 then commits it); record a save's reduced costs."""
+        self._record_stall(wait=False)
         if self._in_flight is not None and self._in_flight.write.done():
             self._finish_in_flight()
 
@@ -110,6 +151,10 @@ class FsxSaves:
         if self._commit_future is not None:
             self._commit_future.result()
             self._commit_future = None
+
+    def record_last_costs(self) -> None:
+        """Once training ended on every rank: the last save's reduced figures recorded (waited for)."""
+        self._record_stall(wait=True)
 
     def close(self, wait: bool) -> None:
         """wait=False after a fault: the save in flight is dropped (it stays a .tmp folder, dropped by the next
@@ -138,8 +183,6 @@ class FsxSaves:
             self._save_failed(flight, err)
             return
         write_seconds = time.perf_counter() - flight.started
-        self._events.write("checkpoint_written", step=flight.step, mode=self._backend.name,
-                           blocking_seconds=flight.blocking_seconds, write_seconds=write_seconds)
         self._costs.written(flight.step, write_seconds - flight.blocking_seconds)
         if self._rank != 0:
             return
@@ -159,8 +202,9 @@ class FsxSaves:
         cause = (str(err).strip().splitlines() or [type(err).__name__])[-1][:2000]  # DCP's last line: the cause
         log.error("checkpoint step %d failed, not committed (training goes on, the next save commits): %s",
                   flight.step, cause)
-        self._events.write("checkpoint_failed", step=flight.step, mode=self._backend.name, error=cause,
-                           fault_key=flight.fault_key)
+        if self._rank == 0 or flight.fault_key is not None:  # rank 0 for the run, and the drill's own rank
+            self._events.write("checkpoint_failed", step=flight.step, mode=self._backend.name, error=cause,
+                               fault_key=flight.fault_key)
         self.last_saved_step = None if self.last_saved_step == flight.step else self.last_saved_step
         forget_cached_save_plans()  # every rank saw this failure: the next save plans afresh on all of them
         if self._rank == 0:

@@ -1,5 +1,5 @@
 """What each save cost the training loop, as the interval planner (trainer.planning.auto) and the
-``checkpoint_stall`` events count it.
+``checkpoint_stall`` records (the worst rank's, trainer.checkpoint.commit) count it.
 
 Everything the loop waited for in the checkpoint manager since the last FSx save began (node-memory copies,
 polls that finished a write or waited for a commit) is charged to the next save's stall, with the wait for

@@ -62,7 +62,7 @@ class CheckpointManager:
             retention = Retention(directory, cfg.keep_last, save_point)
             self._saves = FsxSaves(directory, cfg, rank=rank, backend=make_backend(cfg, device), metadata=metadata,
                                    events=events, costs=self.costs, retention=retention, s3=s3,
-                                   save_point=save_point, fence=fence)
+                                   save_point=save_point, fence=fence, device=device)
             if rank == 0:
                 retention.remove_stale()
                 if s3 is not None:
@@ -103,9 +103,9 @@ class CheckpointManager:
         # The stall a save costs the loop is all of this, not the hand-off alone: waiting for the previous save
         # and its commit, the barrier, the hand-off (sync: the whole write), and the waits since the last save.
         stall = self.costs.fsx_save_started(step, time.perf_counter() - entered, waits["previous_save_seconds"])
-        self._events.write("checkpoint_stall", step=step, mode=self._saves.backend_name,
-                           handoff_seconds=waits["handoff_seconds"],
-                           barrier_seconds=waits["barrier_seconds"], **stall)
+        # Reduced over every rank while training goes on, and recorded once (trainer.checkpoint.commit).
+        self._saves.reduce_stall(step, {"handoff_seconds": waits["handoff_seconds"],
+                                        "barrier_seconds": waits["barrier_seconds"], **stall})
         return True
 
     @property
@@ -122,7 +122,7 @@ class CheckpointManager:
 
     def save_final(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> None:
         """The end of training: step saved and committed — saved now unless a save of it is in flight or done,
-        and saved again if that save failed."""
+        and saved again if that save failed. Collective: the last save's costs are recorded too."""
         self.save(step, state_fn, last=True)
         self.wait()
         if self.enabled and self._saves.last_saved_step != step:
@@ -131,6 +131,8 @@ class CheckpointManager:
             self.wait()
             if self._saves.last_saved_step != step:
                 raise RuntimeError(f"the final checkpoint (step {step}) failed twice; see the checkpoint_failed events")
+        if self.enabled:
+            self._saves.record_last_costs()
 
     def wait(self) -> None:
         """Finish the save in flight and its commit (not the S3 uploads: see close)."""

@@ -7,6 +7,10 @@ start that will resume from FSx reads its share of the checkpoint while the rest
 process group), ``process_group`` (the job's restart count, the run folder's lease, the restart budget),
 ``model_build`` (the model, its shards, the optimizer, the data, the checkpoint tiers, the resilience hooks,
 the interval planner, the progress report). The loop and the resume are trainer.job.trainer's.
+
+The run's history is read once per start: rank 0 folds the control records (trainer.run.history: a bounded
+summary and what was appended since) in the process_group phase and every rank gets its copy in one broadcast;
+the budget, the hooks, the planner and the progress report take it from there. No other rank reads it.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.resilience.phases import PhaseWatchdog, exit_hung
 from trainer.resilience.worker_clock import worker_started_at
-from trainer.run.events import EventLog, run_started_at
+from trainer.run.events import EventLog
+from trainer.run.history import ControlState, control_state, launched_at_from_environment
 from trainer.run.lease import Fence, RunFolderBusy, RunLease
 from trainer.run.run_dir import RunDir
 
@@ -65,6 +70,7 @@ class StartedProcess:
     own_lease: RunLease | None  # taken by rank 0 when started by hand (no launch generation in the environment)
     run_dir: RunDir
     events: EventLog
+    history: ControlState  # the control records as this start folded them
     restart_budget: RestartBudget
     # the model and its data
     model: torch.nn.Module
@@ -97,11 +103,13 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     agree_on_restart_count(world_size, device)
     fence, own_lease = join_lease(cfg.run_dir, rank)
     events = EventLog(cfg.run_dir, rank, fence=fence)
+    history = from_rank_0(world_size, control_state(cfg.run_dir, save=True) if rank == 0 else None)
     restart_budget = RestartBudget(
         cfg.run_dir, rank=rank, events=events, limit=cfg.resilience.max_restarts_without_progress,
         in_process_limit=cfg.resilience.in_process_max_restarts,
         layer=current_layer(in_process.iteration if in_process else 0), generation=fence.generation,
-        process_started_at=worker_started_at(), broadcast=lambda value: from_rank_0(world_size, value))
+        process_started_at=worker_started_at(), broadcast=lambda value: from_rank_0(world_size, value),
+        history=history)
     restart_budget.start()  # a crash loop ends here, before the model is built again
     torch.manual_seed(cfg.run.seed)
     timer.done("process_group")
@@ -139,9 +147,11 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     memory = (MemoryTier(ckpt, cfg.run.run_id, rank, world_size, ranks_per_node)
               if ckpt.enabled and ckpt.memory_interval_steps else None)
-    started_at = run_started_at(cfg.run_dir) or worker_started_at()  # first start by hand: this process's
+    # This launch's start (the train step's); started by hand: the run's first process, else this one.
+    launched_at = launched_at_from_environment() or history.first_process_started_at or worker_started_at()
     resilience = ResilienceHooks(cfg, rank, world_size, events, device, in_process=in_process, telemetry=telemetry,
-                                 node_memory=memory.store if memory else None, run_started_at=started_at)
+                                 node_memory=memory.store if memory else None, launched_at=launched_at,
+                                 history=history)
     checkpointer = CheckpointManager(
         cfg.checkpoint_dir, ckpt, rank=rank, device=device, events=events,
         # Checkpoints describe themselves: resume, validation and export need nothing else.
@@ -151,15 +161,15 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
         save_point=resilience.injector.at_save_point, fence=fence, prefetch=prefetch, phase=watchdog.phase)
     nodes = memory.nodes if memory is not None else max(1, world_size // ranks_per_node)
-    interval_planner = AutoInterval(cfg, checkpointer, events, rank=rank, nodes=nodes)
-    progress = ProgressReporter(cfg, rank=rank, nodes=nodes, restarted=resilience.is_restart,
-                                run_started_at=started_at, last_checkpoint=lambda: _last_checkpoint(cfg))
+    interval_planner = AutoInterval(cfg, checkpointer, events, rank=rank, nodes=nodes, history=history)
+    progress = ProgressReporter(cfg, rank=rank, nodes=nodes, restarted=resilience.is_restart, history=history,
+                                launched_at=launched_at, last_checkpoint=lambda: _last_checkpoint(cfg))
     timer.done("checkpointing")
     watchdog.leave()
     resilience.start(init_seconds={"imports": timer.started - resilience.process_started_at, **timer.phases})
     return StartedProcess(
         rank=rank, world_size=world_size, device=device, watchdog=watchdog, fence=fence, own_lease=own_lease,
-        run_dir=RunDir(cfg.run_dir), events=events, restart_budget=restart_budget, model=model,
+        run_dir=RunDir(cfg.run_dir), events=events, history=history, restart_budget=restart_budget, model=model,
         model_config=model_config, build_model_args=build_model_args, weights_pending=weights_pending,
         optimizer=optimizer, batches=batches, telemetry=telemetry, resilience=resilience, checkpointer=checkpointer,
         interval_planner=interval_planner, progress=progress, prefetch=prefetch)

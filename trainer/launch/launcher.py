@@ -17,7 +17,7 @@ server first (trainer.warm_start), so every worker â€” and every restarted one â
 that has already imported the trainer.
 
 With --check-node=GPUS,EFA it first checks the node (trainer.node_health) and exits 44 when it is not fit.
-With --run-dir it samples this node's system metrics into ``<run_dir>/system/node-<rank>.jsonl`` (the train
+With --run-dir it samples this node's system metrics into ``<run_dir>/system/samples.jsonl`` (a line per sample, each naming its node) (the train
 step forwards them to MLflow), and it ends the launch with exit code 42 when the restart budget gave up
 (``<run_dir>/gave_up.json`` of this launch's lease generation; trainer.resilience.budget): ft_launcher's own
 restart count is kept out of the way, so this is what stops a crash loop at this layer.
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
         generation = os.environ.get(GENERATION_ENV)
         give_up = GiveUpWatch(run_dir, int(generation) if generation else None).start()
         node = f"node-{os.environ.get(NODE_RANK_ENV, '0')}"
-        metrics = SystemMetricsSampler(RunDir(run_dir).system_of(node), SYSTEM_METRICS_SECONDS)
+        metrics = SystemMetricsSampler(RunDir(run_dir).system_samples, SYSTEM_METRICS_SECONDS, node=node)
     store_endpoint = external_store(argv)
     if store_endpoint is not None and launcher == "ft_launcher":
         local_addr = next((a.split("=", 1)[1] for a in argv if a.startswith("--local-addr=")), socket.getfqdn())

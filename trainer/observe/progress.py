@@ -11,7 +11,7 @@ that rotates, so it is read again before every update). Rank 0 builds the status
   by the goodput the planner expects of this job's recovery layers (trainer.planning: faults at
   checkpoint.auto_node_mtbf_hours per node, each costing this run's measured restart time when it has one);
 - ``metrics`` (name/value strings of at most 64 characters): step, total_steps, loss, tokens_per_second,
-  goodput (steps kept x time per step / wall time since the run's first launch), restarts,
+  goodput (steps kept x time per step / the run's wall time: its launches', trainer.run.history), restarts,
   last_checkpoint_step, last_checkpoint_age_seconds, straggler;
 - ``lastUpdatedTime``, which the CRD requires whenever trainerStatus is present (a CEL rule).
 
@@ -36,8 +36,7 @@ from typing import Any, Callable
 
 from trainer.env import TRAINER_SERVER_CA_CERT_ENV, TRAINER_SERVER_TOKEN_ENV, TRAINER_SERVER_URL_ENV
 from trainer.planning.goodput import Costs, evaluate
-from trainer.run import events as run_events
-from trainer.run.events import read_events
+from trainer.run.history import ControlState
 from trainer.run.run_dir import RunDir, write_json
 
 log = logging.getLogger(__name__)
@@ -145,16 +144,19 @@ class ProgressReporter:
     """Rank 0's progress; observe(step, metrics, straggler) once per step, finish(step) at the end. A no-op on
     other ranks."""
 
-    def __init__(self, cfg, *, rank: int, nodes: int, run_started_at: float | None = None, restarted: bool = False,
+    def __init__(self, cfg, *, rank: int, nodes: int, launched_at: float | None = None, restarted: bool = False,
+                 history: ControlState | None = None,
                  last_checkpoint: Callable[[], tuple[int, float] | None] = lambda: None,
                  environ: dict[str, str] | None = None, clock: Callable[[], float] = time.time):
-        """run_started_at: the origin of the goodput (default: trainer.run.events.run_started_at, the report's
-        too); restarted: this launch recovers from a fault (its recovery record comes after its first step);
-        last_checkpoint(): the newest committed checkpoint's (step, commit time), or None."""
+        """launched_at: this launch's start (default: now); history: the control records as this start folded
+        them — the recoveries so far, and the earlier launches whose wall time the goodput counts
+        (ControlState.run_wall_seconds, the report's too); restarted: this launch recovers from a fault (its
+        recovery record comes after its first step); last_checkpoint(): the newest committed checkpoint's
+        (step, commit time), or None."""
         environ = os.environ if environ is None else environ
-        if run_started_at is None:
-            run_started_at = run_events.run_started_at(cfg.run_dir) or clock()
-        self.cfg, self.nodes, self.run_started_at, self._clock = cfg, nodes, run_started_at, clock
+        self.history = history if history is not None else ControlState()
+        self.cfg, self.nodes, self._clock = cfg, nodes, clock
+        self.launched_at = launched_at if launched_at is not None else clock()
         self._last_checkpoint = last_checkpoint
         self.enabled = rank == 0
         self.interval = cfg.kubernetes.progress_interval_seconds
@@ -162,13 +164,17 @@ class ProgressReporter:
         url = environ.get(TRAINER_SERVER_URL_ENV)
         self.sender = (StatusSender(url, environ.get(TRAINER_SERVER_TOKEN_ENV), environ.get(TRAINER_SERVER_CA_CERT_ENV))
                        if self.enabled and url else None)
-        recoveries = read_events(cfg.run_dir, "recovery") if self.enabled else []
-        self._restarts = len(recoveries) + int(restarted)
-        self._restart_seconds = [r["recovery_seconds"] for r in recoveries if r.get("recovery_seconds")]
+        recoveries = self.history.recoveries
+        self._restarts = recoveries["count"] + int(restarted)
+        self._restart_seconds = recoveries["seconds"] / recoveries["timed"] if recoveries["timed"] else None
         self._step_walls: list[float] = []
         self._last_step_at: float | None = None
         self._last_sent = float("-inf")
         self.status: dict[str, Any] | None = None
+
+    def wall_seconds(self, now: float | None = None) -> float | None:
+        """The run's wall time so far: its launches' (ControlState.run_wall_seconds, as the report counts it)."""
+        return self.history.run_wall_seconds(self.launched_at, self._clock() if now is None else now)
 
     def observe(self, step: int, metrics: dict[str, float], straggler: str = "none") -> None:
         if not self.enabled:
@@ -191,15 +197,15 @@ class ProgressReporter:
         num_steps = self.cfg.training.num_steps
         step_seconds = statistics.median(self._step_walls) if self._step_walls else None
         eta = (expected_remaining_seconds(self.cfg, remaining_steps=num_steps - step, step_seconds=step_seconds,
-                                          nodes=self.nodes, restart_seconds=statistics.fmean(self._restart_seconds)
-                                          if self._restart_seconds else None) if step_seconds else None)
+                                          nodes=self.nodes, restart_seconds=self._restart_seconds)
+               if step_seconds else None)
         last_checkpoint = self._last_checkpoint()
-        wall = now - self.run_started_at
+        wall = self.wall_seconds(now)
         self.status = trainer_status(step=step, num_steps=num_steps, eta_seconds=eta, now=now, finished=finished,
                                      metrics={
             "step": step, "total_steps": num_steps, "loss": metrics.get("loss"),
             "tokens_per_second": metrics.get("tokens_per_second"),
-            "goodput": min(1.0, step * step_seconds / wall) if step_seconds and wall > 0 else None,
+            "goodput": min(1.0, step * step_seconds / wall) if step_seconds and wall else None,
             "restarts": self._restarts,
             "last_checkpoint_step": last_checkpoint[0] if last_checkpoint else None,
             "last_checkpoint_age_seconds": int(now - last_checkpoint[1]) if last_checkpoint else None,

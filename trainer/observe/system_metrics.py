@@ -1,17 +1,19 @@
-"""A training node's system metrics, sampled by its launcher into the run folder (``system/<node>.jsonl``).
+"""A training node's system metrics, sampled by its launcher into the run folder (``system/samples.jsonl``,
+which every node appends to: one file for the forwarder to tail, not one per node).
 
-    with SystemMetricsSampler(RunDir(run_dir).system_of("node-0"), interval_seconds=10):
+    with SystemMetricsSampler(RunDir(run_dir).system_samples, interval_seconds=10, node="node-0"):
         run_the_launcher()
 
-Each line: ``{"time": …, "sample": n, "system/cpu_utilization_percentage": …, …}`` — psutil for CPU,
-memory and disk, NVML for each GPU when an NVIDIA driver is present (named as MLflow's own system metrics
-name them). The train step forwards the lines to MLflow (components.forwarder) as ``system/<node>/…``, so
-on EKS MLflow describes the training nodes, not the pipeline pod that waits for them.
+Each line: ``{"time": …, "node": "node-0", "sample": n, "system/cpu_utilization_percentage": …, …}`` — psutil
+for CPU, memory and disk, NVML for each GPU when an NVIDIA driver is present (named as MLflow's own system
+metrics name them), appended whole (trainer.run.events.append_record). The train step forwards them to MLflow
+aggregated across nodes (components.run_metrics: minimum, median and maximum, and which node is at either end),
+so on EKS MLflow describes the training nodes, not the pipeline pod that waits for them, in keys that do not
+multiply with the cluster.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -19,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from trainer.run.events import append_record
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +42,10 @@ def nvml():
 class SystemMetricsSampler:
     """Appends a sample to `path` every interval_seconds on a daemon thread, and one more when stopped."""
 
-    def __init__(self, path: Path, interval_seconds: float = 10.0):
+    def __init__(self, path: Path, interval_seconds: float = 10.0, node: str = "node-0"):
         self.path = Path(path)
         self.interval_seconds = interval_seconds
+        self.node = node
         self.samples = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -48,7 +53,6 @@ class SystemMetricsSampler:
 
     def __enter__(self) -> "SystemMetricsSampler":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.samples = sum(1 for _ in self.path.open()) if self.path.is_file() else 0  # a restarted node appends
         psutil.cpu_percent(None)  # the first call only primes the counter
         self._nvml = nvml()
         self._thread = threading.Thread(target=self._run, name="system-metrics", daemon=True)
@@ -63,7 +67,7 @@ class SystemMetricsSampler:
         memory = psutil.virtual_memory()
         disk = psutil.disk_io_counters()
         record: dict[str, Any] = {
-            "time": time.time(), "sample": self.samples,
+            "time": time.time(), "node": self.node, "sample": self.samples,
             "system/cpu_utilization_percentage": psutil.cpu_percent(None),
             "system/system_memory_usage_megabytes": (memory.total - memory.available) / 2**20,
             "system/system_memory_usage_percentage": memory.percent,
@@ -79,8 +83,7 @@ class SystemMetricsSampler:
                 info = gpu.nvmlDeviceGetMemoryInfo(handle)
                 record[f"system/gpu_{index}_memory_usage_megabytes"] = info.used / 2**20
                 record[f"system/gpu_{index}_power_usage_watts"] = gpu.nvmlDeviceGetPowerUsage(handle) / 1000
-        with self.path.open("a") as handle:  # whole lines; a reader skips a torn last one
-            handle.write(json.dumps(record) + "\n")
+        append_record(self.path, record)
         self.samples += 1
         return record
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from trainer.config import Config
 from trainer.planning.goodput import Configuration, Costs, best_interval, tier_rates
-from trainer.run.events import EventLog, read_events
+from trainer.run.events import EventLog
+from trainer.run.history import ControlState
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,16 @@ def job_configuration(cfg: Config) -> Configuration:
 class AutoInterval:
     """The loop's one call: before_save(step, step_seconds) before each checkpointer.save."""
 
-    def __init__(self, cfg: Config, checkpointer, events: EventLog, *, rank: int, nodes: int):
+    def __init__(self, cfg: Config, checkpointer, events: EventLog, *, rank: int, nodes: int,
+                 history: ControlState | None = None):
+        """history: the control records as this start folded them (an earlier launch's choice)."""
         self.cfg, self.checkpointer, self.events, self.rank, self.nodes = cfg, checkpointer, events, rank, nodes
         self.enabled = cfg.checkpoint.enabled and cfg.checkpoint.interval_steps == "auto"
         self.step_seconds: list[float] = []
-        if self.enabled:
-            chosen = read_events(cfg.run_dir, "checkpoint_interval_chosen")
-            if chosen:  # an earlier launch of this run chose already
-                checkpointer.interval_steps = chosen[-1]["interval_steps"]
-                self.enabled = False
+        chosen = history.interval_chosen if history is not None else None
+        if self.enabled and chosen:  # an earlier launch of this run chose already
+            checkpointer.interval_steps = chosen["interval_steps"]
+            self.enabled = False
 
     def before_save(self, step: int, step_seconds: float) -> None:
         if not self.enabled:

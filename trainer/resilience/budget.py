@@ -14,7 +14,8 @@ The decision is the training's, made the same way at every layer from the run fo
 - a recovery made progress when the next attempt resumed from a later step than it did; an attempt with no
   resume (it died in start-up) made none;
 - at start and again right after the resume, rank 0 counts the trailing recoveries without progress and
-  tells every rank; at the limit it writes ``gave_up.json`` (the message, the layer, the step, the fault)
+  tells every rank — from the control records as this start folded them (trainer.run.history: the launch
+  scope's attempts since the last give-up, trimmed to those a streak can reach), read nothing else; at the limit it writes ``gave_up.json`` (the message, the layer, the step, the fault)
   and every rank exits with ``CRASH_LOOP_EXIT_CODE``.
 
 Above the ranks that exit code is the one signal to stop: trainer.launcher stops ft_launcher (whose own
@@ -30,7 +31,6 @@ after a fix starts with a full budget.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -39,8 +39,9 @@ from typing import Any
 
 from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV,
                          TORCHELASTIC_RUN_ID_ENV)
-from trainer.run.events import EventLog, read_events
-from trainer.run.run_dir import RunDir, read_json, read_jsonl, write_json
+from trainer.run.events import EventLog
+from trainer.run.history import ControlState, whole_history
+from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -118,23 +119,17 @@ def launch_scope() -> str:
     return os.environ.get(TORCHELASTIC_RUN_ID_ENV) or f"process:{os.getpid()}"
 
 
+def attempts_of(history: ControlState) -> list[Attempt]:
+    """The folded attempts (trainer.run.history) as Attempts, oldest first."""
+    return [Attempt(a["started"], a["layer"], a["resumed_step"], a["fault"], a["escalated"]) for a in history.attempts]
+
+
 def attempt_history(run_dir: Path, since: float, scope: str | None = None) -> list[Attempt]:
-    """Attempts recorded since `since` (rank 0's events; of one launch_scope when given), each with its resume
-    and its last fault."""
-    run_dir = RunDir(run_dir)
-    own = read_jsonl(run_dir.events_of(0))
-    starts = [e for e in own if e.get("event") == "attempt" and e["time"] >= since
-              and (scope is None or e.get("scope") == scope)]
-    resumes = [e for e in own if e.get("event") == "resume"]
-    faults = read_events(run_dir.path, "fault")
-    attempts = []
-    for index, start in enumerate(starts):
-        end = starts[index + 1]["time"] if index + 1 < len(starts) else math.inf
-        resumed = next((e["step"] for e in resumes if start["time"] <= e["time"] < end), None)
-        during = [f for f in faults if start["time"] <= f["time"] < end]
-        escalated = any(e.get("event") == "escalated" and start["time"] <= e["time"] < end for e in own)
-        attempts.append(Attempt(start["time"], start["layer"], resumed, during[-1] if during else None, escalated))
-    return attempts
+    """Every attempt recorded since `since` (of one launch_scope when given), each with its resume and its last
+    fault — the whole history, folded as a start folds it: for tests and tools."""
+    history = whole_history(run_dir)
+    return [attempt for attempt, record in zip(attempts_of(history), history.attempts)
+            if attempt.started >= since and (scope is None or record["scope"] == scope)]
 
 
 def read_gave_up(run_dir: Path) -> dict[str, Any] | None:
@@ -154,11 +149,12 @@ def _fault_text(fault: dict[str, Any] | None) -> str:
 
 
 def give_up_message(attempts: list[Attempt], current_step: int | None, streak: int, limit: int, layer: str,
-                    train_log: Path) -> str:
+                    train_log: Path, last_fault: dict[str, Any] | None = None) -> str:
+    """last_fault: the newest fault of the ended attempts (default: found among `attempts`)."""
     stuck = [a.resumed_step for a in attempts[-streak:] if a.resumed_step is not None]
     step = max(stuck) if stuck else current_step
     where = f"step {step}" if step is not None else "start-up (no attempt got as far as resuming)"
-    last_fault = next((a.fault for a in reversed(attempts) if a.fault is not None), None)
+    last_fault = next((a.fault for a in reversed(attempts) if a.fault is not None), last_fault)
     return (f"crash loop: {streak} recoveries in a row made no progress (resilience.max_restarts_without_progress="
             f"{limit}): training is stuck at {where}; last fault: {_fault_text(last_fault)}; the {layer} layer "
             f"gives up instead of restarting again (exit code {CRASH_LOOP_EXIT_CODE}). Fix the cause (see "
@@ -169,9 +165,13 @@ class RestartBudget:
     """The no-progress rule inside one training attempt; collective (every rank calls the same methods)."""
 
     def __init__(self, run_dir: Path, *, rank: int, events: EventLog, limit: int, in_process_limit: int,
-                 layer: str, generation: int | None, process_started_at: float, broadcast):
-        """broadcast(obj) -> obj: rank 0's object on every rank (torch.distributed in the trainer)."""
+                 layer: str, generation: int | None, process_started_at: float, broadcast,
+                 history: ControlState | None = None):
+        """broadcast(obj) -> obj: rank 0's object on every rank (torch.distributed in the trainer); history: the
+        control records as this start folded them (rank 0; trainer.run.history), kept up to date with what this
+        budget writes — its decisions read nothing else."""
         self.run_dir = RunDir(run_dir)
+        self.history = history if history is not None else ControlState()
         self.rank = rank
         self.events = events
         self.limit = limit
@@ -188,9 +188,12 @@ class RestartBudget:
             # This launch gave up already; ft_launcher restarted us before trainer.launcher stopped it.
             raise RestartBudgetExhausted(gave_up["message"])
         if self.rank == 0:
-            self.events.write("attempt", layer=self.layer, pid=os.getpid(), generation=self.generation,
-                              scope=launch_scope())
+            self._record("attempt", layer=self.layer, pid=os.getpid(), generation=self.generation,
+                         scope=launch_scope())
         self.check(None)
+
+    def _record(self, event: str, **fields: Any) -> None:
+        self.history.fold([self.events.write(event, **fields)])
 
     def check(self, resumed_step: int | None) -> None:
         """Give up (RestartBudgetExhausted on every rank) at the limit; escalate in-process restarts that stopped
@@ -207,22 +210,25 @@ class RestartBudget:
         raise RestartBudgetExhausted(message)
 
     def _verdict(self, resumed_step: int | None) -> tuple[str, str] | None:
-        attempts = attempt_history(self.run_dir.path, budget_since(self.run_dir.path), launch_scope())
-        ended = [a for a in attempts[:-1] if not a.escalated]  # the last one is this attempt
+        # The window of this launch scope since the last give-up, trimmed to what a streak can reach; its
+        # newest attempt is this one.
+        attempts = attempts_of(self.history) if self.history.scope == launch_scope() else []
+        ended = [a for a in attempts[:-1] if not a.escalated]
         streak = no_progress_streak([a.resumed_step for a in ended], resumed_step)
         if streak >= self.limit:
-            message = give_up_message(ended, resumed_step, streak, self.limit, self.layer, self.run_dir.train_log)
+            last_fault = next((a.fault for a in reversed(ended) if a.fault), self.history.last_fault)
+            message = give_up_message(ended, resumed_step, streak, self.limit, self.layer, self.run_dir.train_log,
+                                      last_fault)
             record = {"time": time.time(), "generation": self.generation, "layer": self.layer, "streak": streak,
-                      "limit": self.limit, "step": resumed_step, "message": message,
-                      "last_fault": next((a.fault for a in reversed(ended) if a.fault), None)}
+                      "limit": self.limit, "step": resumed_step, "message": message, "last_fault": last_fault}
             write_json(self.run_dir.gave_up, record)
-            self.events.write("gave_up", **{k: v for k, v in record.items() if k != "time"})
+            self._record("gave_up", **{k: v for k, v in record.items() if k != "time"})
             return "give_up", message
         if self.layer == "in_process":
             mine = [a for a in ended if a.started >= self.process_started_at]
             in_process = no_progress_streak([a.resumed_step for a in mine], resumed_step)
             if in_process >= self.in_process_limit:
-                self.events.write("escalated", streak=in_process, limit=self.in_process_limit, step=resumed_step)
+                self._record("escalated", streak=in_process, limit=self.in_process_limit, step=resumed_step)
                 return "escalate", (f"{in_process} in-process restarts in a row made no progress "
                                     f"(resilience.in_process_max_restarts={self.in_process_limit}): ending the "
                                     "processes so that ft_launcher restarts them")

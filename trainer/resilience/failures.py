@@ -8,7 +8,9 @@ injector's ``fault``. A rank killed outright (SIGKILL, the OOM killer, a lost no
 
 ``explain_restarts`` groups those records since the last recovery by attempt (every event carries its
 attempt: trainer.run.events.current_attempt) and says, per failed attempt, which rank failed first and how; the
-others' secondary errors are counted, not repeated. The launcher's log (four tracebacks of "Connection
+others' secondary errors are counted, not repeated. It reads failures.jsonl from where the last recovery's
+explanation stopped (its ``failures_offset``, folded into trainer.run.history), so one fault's records are read
+once however long the run; the drill faults come from the folded control records. The launcher's log (four tracebacks of "Connection
 reset by peer") is not read: it cannot say which came first.
 """
 
@@ -20,7 +22,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from trainer.run.events import EventLog, read_events
+from trainer.run.events import EventLog
+from trainer.run.history import ControlState, control_state, handled_keys
+from trainer.run.run_dir import RunDir
+from trainer.run.tail import read_new_lines
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +39,8 @@ _LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "C
 _DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKILL", "exit": "exited with code 137 "
            "(as the OOM killer leaves it)", "hang": "hung (no heartbeat)", "hang_in_collective": "hung in a collective",
            "node_loss": "lost its node", "corrupt_memory": "was killed by SIGKILL with its node memory corrupted"}
-FAILURE_EVENTS = ("fault", "rank_failed", "hang")
 MESSAGE_CHARS = 300
+SILENT_RANKS_LISTED = 64  # at 8,192 ranks a whole job can be silent: the list is cut, the count is not
 
 
 def is_lost_peer(error: BaseException) -> bool:
@@ -85,31 +90,27 @@ def _how(record: dict[str, Any]) -> str:
 
 
 def handled_fault_keys(events: list[dict[str, Any]]) -> set[str]:
-    """The faults already accounted for, of these events: named by a recovery (its fault_keys), or absorbed
-    without a restart (fault_absorbed: a slow rank; checkpoint_failed: a writer crash the next save covered)."""
-    handled = set()
-    for event in events:
-        if event["event"] == "recovery":
-            handled.update(event.get("fault_keys") or [event.get("fault_key")])
-        elif event["event"] in ("fault_absorbed", "checkpoint_failed"):
-            handled.add(event.get("fault_key"))
-    handled.discard(None)
-    return handled
+    """The faults already accounted for, of these events (trainer.run.history.handled_keys: named by a
+    recovery, or absorbed without a restart)."""
+    return set().union(*(handled_keys(event) for event in events))
 
 
-def explain_restarts(run_dir: Path, before: float, world_size: int) -> list[dict[str, Any]]:
+def explain_restarts(run_dir: Path, before: float, world_size: int,
+                     history: ControlState | None = None) -> list[dict[str, Any]]:
     """Why each restart since the last recovery happened, oldest first — one per failed attempt (start of the
     ranks) that left records before `before` (usually one; more when restarts failed in start-up in a row).
-    Each: {cause: the sentence, first_failed_rank, first_failure: how, secondary_errors: count, silent_ranks}."""
-    events = read_events(run_dir)
-    since = max((e["time"] for e in events if e["event"] == "recovery" and e["time"] < before), default=0.0)
-    handled = handled_fault_keys(events)
-    records = [e for e in events if since < e["time"] < before and e["event"] in FAILURE_EVENTS
-               and not (e["event"] == "fault" and e["key"] in handled)]
+    Each: {cause: the sentence, first_failed_rank, first_failure: how, secondary_errors: count, silent_ranks,
+    silent_rank_count, failures_offset: where the next explanation starts}. history: the control records as
+    this start folded them (default: folded now)."""
+    history = history if history is not None else control_state(run_dir)
+    failures, offset = read_new_lines(RunDir(run_dir).failures_log, history.failures_offset)
+    faults = [f for f in history.unhandled_faults if f["time"] < before]
+    records = sorted([e for e in failures if e["time"] < before] + faults, key=lambda e: e["time"])
     attempts: dict[str, list[dict[str, Any]]] = {}
     for record in records:  # in time order, so the attempts are too
         attempts.setdefault(record.get("attempt", "?"), []).append(record)
-    return [_explain(found, world_size) for found in attempts.values()] or [_explain([], world_size)]
+    found = [_explain(records, world_size) for records in attempts.values()] or [_explain([], world_size)]
+    return [{**explanation, "failures_offset": offset} for explanation in found]
 
 
 def _explain(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
@@ -134,5 +135,6 @@ def _explain(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
         others_text = (f"; {len({e['rank'] for e in others})} other rank(s) failed after it "
                        f"({', '.join(kinds)})")
     cause = (f"rank {rank} failed first: {how}" if rank is not None else how) + others_text
-    return {"cause": cause, "first_failed_rank": rank, "first_failure": how,
-            "secondary_errors": len(others), "silent_ranks": silent if first is not None else silent[1:]}
+    silent = silent if first is not None else silent[1:]
+    return {"cause": cause, "first_failed_rank": rank, "first_failure": how, "secondary_errors": len(others),
+            "silent_ranks": silent[:SILENT_RANKS_LISTED], "silent_rank_count": len(silent)}

@@ -20,7 +20,6 @@ A schedule item that could never fire is refused when the schedule is parsed.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -31,8 +30,9 @@ from typing import Callable
 from trainer.config.drills import SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
 from trainer.env import NODE_LAUNCHER_PID_ENV
 from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
-from trainer.run.events import read_events
+from trainer.run.history import control_state
 from trainer.run.run_dir import RunDir
+from trainer.run.tail import read_last_record
 
 log = logging.getLogger(__name__)
 
@@ -147,35 +147,18 @@ class FaultInjector:
                                   "no restart needed")
 
 
-def fired_fault_keys(run_dir: Path) -> set[str]:
-    return {e["key"] for e in read_events(run_dir, "fault")}
-
-
-def straggling_here(fault_events: list[dict], rank: int) -> bool:
-    """Whether a straggler fault fired on this rank (its `fault` events given) under this node's launcher: the
-    slow machine is still there after an in-job restart, and gone once its node was replaced (a new launcher)."""
+def straggling_here(straggling: list[list], rank: int) -> bool:
+    """Whether a straggler fault fired on this rank under this node's launcher ([rank, launcher pid] of each,
+    trainer.run.history): the slow machine is still there after an in-job restart, and gone once its node was
+    replaced (a new launcher)."""
     here = os.environ.get(NODE_LAUNCHER_PID_ENV)
-    return any(e["rank"] == rank and e.get("launcher_pid") == here and e["fault_type"] == "straggler"
-               for e in fault_events)
+    return any(r == rank and launcher_pid == here for r, launcher_pid in straggling)
 
 
 def last_trained_step(run_dir: Path) -> int:
     """The last step metrics.jsonl records (0: none), read from its end: the file grows with the run."""
-    path = RunDir(run_dir).metrics
-    if not path.is_file():
-        return 0
-    with path.open("rb") as handle:
-        size = handle.seek(0, os.SEEK_END)
-        handle.seek(max(0, size - 8192))
-        lines = handle.read().splitlines()
-    if size > 8192:
-        lines = lines[1:]  # may start mid-line
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return 0
+    last = read_last_record(RunDir(run_dir).metrics)
+    return int(last["step"]) if last else 0
 
 
 def startup_hang_drill(schedule: str, rank: int, run_dir: Path, events) -> Callable[[str], bool]:
@@ -184,7 +167,7 @@ def startup_hang_drill(schedule: str, rank: int, run_dir: Path, events) -> Calla
     drills = [f for f in parse_schedule(schedule) if f.type in STARTUP_HANGS and f.rank == rank]
     if not drills:
         return lambda phase: False
-    fired, reached = fired_fault_keys(run_dir), last_trained_step(run_dir)
+    fired, reached = set(control_state(run_dir).fired_fault_keys), last_trained_step(run_dir)
 
     def hang_in(phase: str) -> bool:
         for fault in drills:

@@ -24,13 +24,15 @@ from trainer.config.drills import parse_schedule, random_schedule
 from trainer.env import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV
 from trainer.resilience import nvrx_compat
 from trainer.resilience.budget import restart_layer
-from trainer.resilience.failures import explain_restarts, handled_fault_keys
+from trainer.resilience.failures import explain_restarts
 from trainer.resilience.faults import FaultInjector, straggling_here
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.resilience.straggler import StragglerDetector
 from trainer.resilience.worker_clock import worker_started_at
-from trainer.run.events import EventLog, read_events
-from trainer.run.run_dir import RunDir, read_jsonl
+from trainer.run.events import EventLog
+from trainer.run.history import ControlState
+from trainer.run.run_dir import RunDir
+from trainer.run.tail import read_last_record
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +65,12 @@ class Heartbeat:
 
 class ResilienceHooks:
     def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
-                 telemetry=None, node_memory=None, run_started_at: float | None = None):
-        """run_started_at: the run's start (trainer.run.events.run_started_at), the origin of t=SECONDS drills."""
+                 telemetry=None, node_memory=None, launched_at: float | None = None,
+                 history: ControlState | None = None):
+        """launched_at: this launch's start (trainer.run.history.launched_at), the origin of t=SECONDS drills;
+        history: the control records as this start folded them (the faults fired, the recovery's inputs)."""
         self.cfg = cfg
+        self.history = history if history is not None else ControlState()
         self.rank, self.world_size = rank, world_size
         self.events = events
         self.in_process = in_process
@@ -89,12 +94,11 @@ class ResilienceHooks:
         if late and rank == 0:
             log.warning("faults scheduled after the last step (%d) will not fire: %s", cfg.training.num_steps,
                         ", ".join(late))
-        fired = read_events(cfg.run_dir, "fault")
-        self.injector = FaultInjector(faults, rank, events, {e["key"] for e in fired},
-                                      run_started_at=run_started_at or self.process_started_at,
+        self.injector = FaultInjector(faults, rank, events, set(self.history.fired_fault_keys),
+                                      run_started_at=launched_at or self.process_started_at,
                                       slow_seconds=cfg.faults.slow_seconds,
                                       node_memory=node_memory, straggler_factor=cfg.faults.straggler_factor,
-                                      straggling=straggling_here(fired, rank))
+                                      straggling=straggling_here(self.history.straggling, rank))
         self.stragglers = StragglerDetector(cfg, rank=rank, world_size=world_size, device=device, events=events,
                                             telemetry=telemetry, slowdown=lambda: self.injector.slowdown)
         self.section = self.stragglers.section  # the loop's timed sections: with hooks.section("data"): ...
@@ -147,18 +151,16 @@ class ResilienceHooks:
 
     def _lost_steps(self, reloaded_step: int) -> int | None:
         """Steps completed before the fault that must be trained again: the last step the failed attempt
-        recorded (metrics.jsonl, before this process started) minus the step reloaded. Not the fault's own
-        step: a fault can surface later (a killed checkpoint writer fails the next save)."""
-        completed = [r["step"] for r in read_jsonl(RunDir(self.cfg.run_dir).metrics)
-                     if r.get("time", 0) < self.process_started_at]
-        return max(0, max(completed) - reloaded_step) if completed else None
+        recorded (metrics.jsonl's last line before this process started, read from the file's end) minus the
+        step reloaded. Not the fault's own step: a fault can surface later (a killed checkpoint writer fails
+        the next save)."""
+        last = read_last_record(RunDir(self.cfg.run_dir).metrics, before=self.process_started_at)
+        return max(0, int(last["step"]) - reloaded_step) if last else None
 
     def _record_recovery(self, step: int) -> None:
         now = time.time()
-        events = read_events(self.cfg.run_dir)
-        handled = handled_fault_keys(events)
-        faults = [e for e in events if e["event"] == "fault" and e["key"] not in handled
-                  and e["time"] < self.process_started_at]
+        # The drill faults no recovery answered yet, as this start folded them (trainer.run.history).
+        faults = [e for e in self.history.unhandled_faults if e["time"] < self.process_started_at]
         fault = faults[-1] if faults else None
         resume = self._resume or {"reloaded_step": 0, "load_started": now, "load_seconds": 0.0, "source": "none"}
         fault_time = fault["time"] if fault else None
@@ -188,7 +190,7 @@ class ResilienceHooks:
         }
         # Which rank failed first and how, from the ranks' own records (trainer.resilience.failures): the restart
         # this recovery comes from, and any restarts before it that failed in start-up.
-        *earlier, last = explain_restarts(self.cfg.run_dir, self.process_started_at, self.world_size)
+        *earlier, last = explain_restarts(self.cfg.run_dir, self.process_started_at, self.world_size, self.history)
         record.update(last, earlier_causes=[found["cause"] for found in earlier])
         self.events.write("recovery", **record)
         if self.telemetry is not None:

@@ -233,8 +233,9 @@ class StragglerDetector:
         for straggler in found["stragglers"]:
             streak = self._streaks[straggler["node"]]
             action = "replace_node" if self.replace_nodes and streak >= self.patience else "report"
-            self.events.write("straggler", step=step, consecutive_reports=streak, action=action,
-                              threshold=self.threshold, **straggler)
+            if streak == 1 or action != "report":  # a control record per streak (and per action), not per report
+                self.events.write("straggler", step=step, consecutive_reports=streak, action=action,
+                                  threshold=self.threshold, **straggler)
             log.warning("straggler: rank %d (node %s) at step %d: its work at %.2f of the fastest rank's (threshold "
                         "%.2f; slowest section %s at %.2f), %d report(s) in a row%s", straggler["straggler_rank"],
                         straggler["node"], step, straggler["score"], self.threshold, straggler["section"],

@@ -1,7 +1,23 @@
-"""Structured events (checkpoints, faults, recoveries) as JSON lines, one file per rank.
+"""The run's events: three shared append-only streams, each read by who needs it and from where it stopped.
 
-Every rank appends to ``<run_dir>/events/rank-<N>.jsonl``; readers merge the files (``read_events``), so
-no rank waits on another to record what happened to it.
+    events = EventLog(run_dir, rank, fence=fence)
+    events.write("checkpoint_committed", step=40, ...)   # appended to the stream of its kind
+
+- ``events/control.jsonl`` — the rare records every layer decides by: the train step's launches, each start of
+  the ranks (``attempt``, ``launch``, ``resume``), drill faults, recoveries, give-ups, the interval choice, a
+  straggler's streak, failed saves. Any rank appends. A start reads it folded (trainer.run.history).
+- ``events/failures.jsonl`` — how each rank failed (``rank_failed``, ``hang``), written as it goes: at 8,192
+  ranks one fault leaves thousands of these, read once, by the recovery record that explains that fault.
+- ``events/periodic.jsonl`` — one record per save (``checkpoint_stall``, reduced over every rank;
+  ``checkpoint_committed``), upload and straggler report: rank 0 alone writes it.
+
+A record is one ``write`` of ``"\\n" + JSON + "\\n"`` on a file opened with O_APPEND (Lustre and local file
+systems keep such an append whole and in one place). The leading newline ends a line torn by a writer killed
+mid-write, so the next writer's record is never glued to it: a SIGKILL loses at most the line being written.
+With a fence (trainer.run.lease.Fence), a superseded trainer appends nothing.
+
+``read_events`` reads the whole history: for tests, offline tools and the end of a run, never for a start or a
+poll (those fold, tail or get it handed over).
 """
 
 from __future__ import annotations
@@ -12,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, RESTART_COUNT_ENV
+from trainer.env import GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, RESTART_COUNT_ENV
+from trainer.run.legacy import ensure_current_format, legacy_records
 from trainer.run.run_dir import RunDir, read_jsonl
 
 
@@ -24,41 +41,45 @@ def current_attempt() -> str:
                                                              IN_PROCESS_ITERATION_ENV))
 
 
-class EventLog:
-    """One rank's events file; with a fence (trainer.run.lease.Fence), a superseded trainer appends nothing."""
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One record appended whole: a single O_APPEND write (see the module's docstring)."""
+    data = ("\n" + json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while data:  # a short write (a full disk, a signal) leaves a torn line, which readers skip
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
-    def __init__(self, run_dir: Path, rank: int, fence=None):
-        self.path = RunDir(run_dir).events_of(rank)
+
+class EventLog:
+    """One process's writer of the run's events; with a fence (trainer.run.lease.Fence), a superseded trainer
+    appends nothing. rank None: a record of the train step's, not of a rank."""
+
+    def __init__(self, run_dir: Path, rank: int | None, fence=None):
+        self.run_dir = RunDir(run_dir)
         self.rank = rank
         self.fence = fence
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_dir.events.mkdir(parents=True, exist_ok=True)
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
         if self.fence is not None:
             self.fence.check()
+        path = self.run_dir.stream_of(event)
+        assert path != self.run_dir.periodic_log or self.rank in (0, None), f"{event}: rank 0 writes periodic records"
+        ensure_current_format(self.run_dir.path)  # an earlier release's events are migrated before anything new
         record = {"event": event, "rank": self.rank, "time": time.time(), "attempt": current_attempt(), **fields}
-        # Open per record: a SIGKILL can lose at most the line being written, never earlier ones.
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_record(path, record)
         return record
 
 
 def read_events(run_dir: Path, event: str | None = None) -> list[dict[str, Any]]:
-    """All ranks' events, ordered by time; a torn last line (process killed mid-write) is skipped."""
-    records = [record for path in sorted(RunDir(run_dir).events.glob("rank-*.jsonl")) for record in read_jsonl(path)
-               if event is None or record.get("event") == event]
-    return sorted(records, key=lambda r: r["time"])
-
-
-def run_started_at(run_dir: Path, launched_at: float | None = None) -> float | None:
-    """When this launch of the run started: the one origin of every figure over the run's wall time (the
-    report's goodput and badput, the TrainJob status's goodput, a drill at t=SECONDS).
-
-    The launch's start as its launcher recorded it (`launched_at`; in a trainer process, the train step's start
-    that every process of the launch inherits in BUDGET_SINCE_ENV); else the earliest process start of the
-    launches recorded in the run folder; else None (nothing has started yet)."""
-    if launched_at is None and os.environ.get(BUDGET_SINCE_ENV):
-        launched_at = float(os.environ[BUDGET_SINCE_ENV])
-    if launched_at is not None:
-        return launched_at
-    return min((e["process_started_at"] for e in read_events(run_dir, "launch")), default=None)
+    """The whole history, every stream, ordered by time (an earlier release's run folder not migrated yet: its
+    files, converted as the migration converts them). Tests, offline tools and the end of a run only."""
+    run = RunDir(run_dir)
+    if not run.events_format.is_file() and run.legacy_events():
+        records = [record for _, record in legacy_records(run)]
+    else:
+        records = [record for path in (run.control_log, run.failures_log, run.periodic_log)
+                   for record in read_jsonl(path)]
+    return sorted((r for r in records if event is None or r.get("event") == event), key=lambda r: r["time"])

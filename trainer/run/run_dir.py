@@ -8,10 +8,15 @@ temporary name, then a rename), so a reader never sees half a file:
     result.json        the trainer's outcome (rank 0, at the end)
     metrics.jsonl      one line per optimizer step (rank 0)
     train.log          everything the launcher and the ranks printed
-    events/rank-N.jsonl  checkpoints, faults, launches, resumes, recoveries (trainer.run.events)
+    events/control.jsonl   rare records every layer decides by: launches, attempts, resumes, faults,
+                           recoveries, give-ups, interval choices (any rank; trainer.run.events)
+    events/failures.jsonl  how each rank failed, written as it goes (any rank)
+    events/periodic.jsonl  one record per save, upload and straggler report (rank 0)
+    events/control-state.json  control.jsonl folded, with the byte offset it covers (trainer.run.history)
+    events/format.json     the events' format; events/rank-N.jsonl: an earlier release's (trainer.run.legacy)
     lease.lock, lease.json  the run folder's writer lease (trainer.run.lease)
     gave_up.json       why the restart budget ended the job (trainer.resilience.budget), when it did
-    system/<node>.jsonl  each training node's system metrics (trainer.launcher)
+    system/samples.jsonl  every training node's system metrics (each node's launcher appends)
     steps/<step>.json, steps/<step>.error.json, steps/trainjob.json  each pipeline step's result
     mlflow-spool/      MLflow writes not yet delivered; rejected.jsonl, those refused (components.tracking)
     logs/pipeline.log  everything the local runner printed (pipelines.console); logs/ also has the servers' logs
@@ -33,6 +38,17 @@ TRAIN_LOG = "train.log"
 SUMMARY = "summary.json"
 GENERATIONS = "generations.json"
 EVENTS_DIR = "events"
+CONTROL_LOG = "control.jsonl"
+FAILURES_LOG = "failures.jsonl"
+PERIODIC_LOG = "periodic.jsonl"
+CONTROL_STATE = "control-state.json"
+EVENTS_FORMAT = "format.json"
+MIGRATE_LOCK = "migrate.lock"
+LEGACY_EVENTS = "rank-*.jsonl"  # one file per rank: the release before the shared streams
+SYSTEM_SAMPLES = "samples.jsonl"
+# Which events stream a record kind goes to (trainer.run.events); every other kind is a control record.
+FAILURE_EVENTS = ("rank_failed", "hang")
+PERIODIC_EVENTS = ("checkpoint_stall", "checkpoint_committed", "checkpoint_uploaded", "straggler_report")
 LEASE_LOCK = "lease.lock"
 LEASE_FILE = "lease.json"
 STEPS_DIR = "steps"
@@ -74,12 +90,23 @@ class RunDir:
     gave_up = property(lambda self: self.path / GAVE_UP)
     system = property(lambda self: self.path / SYSTEM_DIR)
     trainer_status = property(lambda self: self.path / TRAINER_STATUS)
+    control_log = property(lambda self: self.path / EVENTS_DIR / CONTROL_LOG)
+    failures_log = property(lambda self: self.path / EVENTS_DIR / FAILURES_LOG)
+    periodic_log = property(lambda self: self.path / EVENTS_DIR / PERIODIC_LOG)
+    control_state = property(lambda self: self.path / EVENTS_DIR / CONTROL_STATE)
+    events_format = property(lambda self: self.path / EVENTS_DIR / EVENTS_FORMAT)
+    migrate_lock = property(lambda self: self.path / EVENTS_DIR / MIGRATE_LOCK)
+    system_samples = property(lambda self: self.path / SYSTEM_DIR / SYSTEM_SAMPLES)
 
-    def system_of(self, node: str) -> Path:
-        return self.system / f"{node}.jsonl"
+    def stream_of(self, event: str) -> Path:
+        """The events stream a record of this kind is appended to."""
+        if event in FAILURE_EVENTS:
+            return self.failures_log
+        return self.periodic_log if event in PERIODIC_EVENTS else self.control_log
 
-    def events_of(self, rank: int) -> Path:
-        return self.events / f"rank-{rank}.jsonl"
+    def legacy_events(self) -> list[Path]:
+        """An earlier release's events, one file per rank (trainer.run.legacy migrates them once)."""
+        return sorted(self.events.glob(LEGACY_EVENTS))
 
     def step_result(self, step: str) -> Path:
         return self.steps / f"{step}.json"

@@ -1,11 +1,12 @@
 """The one tail reader of the run folder's JSON-lines files: whole lines appended since a byte offset.
 
     records, offset = read_new_lines(path, offset)   # from where the last call stopped
-    records = read_lines_before(path, offset)          # what came before it (a restarted reader's history)
+    record = read_last_record(path, before=t)         # the last record older than t, read from the end
 
 A line still being written (no newline yet) waits for the next call; a line torn by a process killed
-mid-write, and written after, is skipped. Offsets count bytes of whole lines, so they survive a restart of the
-reader (the forwarder saves them with the rows they produced).
+mid-write, and written after, is skipped, and so are the blank lines that separate shared streams' records
+(trainer.run.events). Offsets count bytes of whole lines, so they survive a restart of the reader (the
+forwarder saves them with the rows they produced).
 """
 
 from __future__ import annotations
@@ -15,27 +16,42 @@ from pathlib import Path
 from typing import Any
 
 
-def read_new_lines(path: Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
-    """The records of the whole lines after `offset`, and the offset after the last of them."""
+def read_new_lines(path: Path, offset: int = 0, until: int | None = None) -> tuple[list[dict[str, Any]], int]:
+    """The records of the whole lines after `offset` (and before `until`), and the offset after the last of them."""
     try:
         with Path(path).open("rb") as handle:
             handle.seek(offset)
-            data = handle.read()
+            data = handle.read() if until is None else handle.read(max(0, until - offset))
     except FileNotFoundError:
         return [], offset
     end = data.rfind(b"\n") + 1
     return _parse(data[:end]), offset + end
 
 
-def read_lines_before(path: Path, offset: int) -> list[dict[str, Any]]:
-    """The records of the lines before `offset` (a whole-line offset that read_new_lines returned)."""
-    if offset <= 0:
-        return []
+def read_last_record(path: Path, before: float | None = None, block: int = 1 << 16) -> dict[str, Any] | None:
+    """The file's last record (with `before`: the last whose "time" is earlier), read backwards block by block:
+    what a restart asks of a month of metrics.jsonl costs the blocks after that record, not the file."""
     try:
-        with Path(path).open("rb") as handle:
-            return _parse(handle.read(offset))
+        handle = Path(path).open("rb")
     except FileNotFoundError:
-        return []
+        return None
+    with handle:
+        end = handle.seek(0, 2)
+        tail = b""
+        while end > 0:
+            start = max(0, end - block)
+            handle.seek(start)
+            tail = handle.read(end - start) + tail
+            end = start
+            lines = tail.split(b"\n")
+            if end > 0:  # the first piece may be the end of a line that began in an earlier block
+                tail, lines = lines[0], lines[1:]
+            else:
+                tail = b""
+            for record in reversed(_parse(b"\n".join(lines))):
+                if before is None or record.get("time", float("inf")) < before:
+                    return record
+    return None
 
 
 def _parse(data: bytes) -> list[dict[str, Any]]:
