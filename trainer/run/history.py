@@ -89,6 +89,7 @@ class ControlState:
             self.scope = record.get("scope")
             self.attempts.append({"started": now, "layer": record["layer"], "scope": self.scope,
                                   "resumed_step": None, "fault": None, "escalated": False})
+            self._trim(whole)  # the attempt before it has ended: it counts now
         elif kind == "resume":
             attempt = self._attempt_at(now)
             if attempt is not None and attempt["resumed_step"] is None:
@@ -169,13 +170,15 @@ class ControlState:
             known.update(score=record["score"], section=record.get("section"))
 
     def _trim(self, whole: bool) -> None:
-        """Drop the attempts a no-progress streak can no longer reach: the streak walks back from the newest and
-        stops at an attempt whose nearest later known resume is past its own (trainer.resilience.budget.
+        """Drop the attempts a no-progress streak can no longer reach: the streak walks back from the newest ended
+        attempt and stops at one whose nearest later known resume is past its own (trainer.resilience.budget.
         no_progress_streak), so everything before such an attempt is dead history. It stays as the new first
         entry, which the walk never counts."""
         if whole:
             return
-        counted = [a for a in self.attempts if not a["escalated"]]
+        # The newest attempt is the one running (it may still escalate and drop out of the count): only the
+        # ended ones decide, as in the budget's own walk (trainer.resilience.budget, `ended`).
+        counted = [a for a in self.attempts[:-1] if not a["escalated"]]
         later = None
         for attempt in reversed(counted[1:]):
             step = attempt["resumed_step"]
