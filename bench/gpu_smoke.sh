@@ -48,11 +48,11 @@ from trainer.run.events import read_events
 out = Path(sys.argv[1])
 for mode in ("async", "sync"):
     run = out / "work" / "fsx" / "runs" / f"smoke-{mode}"
-    stalls = [e["blocking_seconds"] for e in read_events(run, "checkpoint_written")]
+    stalls = [e["handoff_seconds"] for e in read_events(run, "checkpoint_stall")]  # one record per save
     metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
     tps = statistics.median(m["tokens_per_second"] for m in metrics[5:])
     print(f"{mode}: stall per save {['%.3f' % s for s in stalls]} s, median {tps:,.0f} tokens/s, "
-          f"mode {read_events(run, 'checkpoint_written')[0]['mode']}")
+          f"mode {read_events(run, 'checkpoint_committed')[0]['mode']}")
 for record in read_events(out / "work" / "fsx" / "runs" / "smoke-inprocess", "recovery"):
     print("in-process recovery on NCCL:", json.dumps(record))
 PY

@@ -17,7 +17,7 @@ from components.stage.staging import STAGE_ERROR
 from components.train.trainjob import delete_unfinished_trainjob
 from trainer.config import Config
 from trainer.resilience.budget import read_gave_up
-from trainer.run.history import control_state
+from trainer.run.history import control_state, recent_recoveries
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
     train, evaluate = steps["train"] or {}, steps["evaluate"] or {}
     succeeded = pipeline_state == "SUCCEEDED" and not errors
     mlflow = tracker(cfg)
-    history = control_state(cfg.run_dir)  # bounded: totals and the last few recoveries, however long the run
+    history = control_state(cfg.run_dir)  # bounded: the totals, however long the run
     summary = {
         "status": "succeeded" if succeeded else "failed",
         "pipeline_run_id": cfg.run.run_id,
@@ -52,7 +52,7 @@ def run_finalize(cfg: Config, pipeline_state: str) -> dict[str, Any]:
         "heldout_perplexity": evaluate.get("perplexity"),
         "promotion": evaluate.get("promotion"),
         "recoveries": history.recoveries["count"],
-        "recovery_events": history.recoveries["recent"],  # the last few; all: MLflow's recovery table
+        "recovery_events": recent_recoveries(cfg.run_dir),  # the last few; all: MLflow's recovery table
         "straggler_events": list(history.stragglers.values()),  # a line per straggling rank
         "restart_budget_gave_up": (read_gave_up(cfg.run_dir) or {}).get("message"),
         "goodput": train.get("goodput"),

@@ -18,6 +18,7 @@ from typing import Any
 from components.run_metrics import commit_record, stall_record
 from components.train.plots import training_plots
 from trainer.planning.measured import MeasuredRun, kept_metrics
+from trainer.run.history import RECENT_RECOVERIES
 from trainer.run.run_dir import RunDir, read_json
 
 read_metrics = kept_metrics  # per-step records, each step's first (a replayed step counts once)
@@ -46,7 +47,7 @@ class TrainingReport:
         steps = self.measured.ledger.steps
         return {"job_wall_seconds": split["wall_seconds"], "productive_seconds": split["productive_seconds"],
                 "goodput": split["goodput"], "badput_seconds": split["badput_seconds"], "recovery_totals": totals,
-                "recent_recoveries": state.recoveries["recent"], "stragglers": list(state.stragglers.values()),
+                "recent_recoveries": recoveries[-RECENT_RECOVERIES:], "stragglers": list(state.stragglers.values()),
                 "costs": self.measured.costs(), "faults_injected": len(state.fired_fault_keys),
                 "checkpoint_saves": len(stalls), "checkpoint_stall_mean_seconds": sum(stalls) / len(stalls) if stalls
                 else 0.0, "steps_recorded": int(steps[-1]) if len(steps) else 0,

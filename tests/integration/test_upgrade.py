@@ -15,7 +15,7 @@ from tests.launch import start_launcher
 from trainer.env import BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE
 from trainer.resilience.budget import attempt_history
 from trainer.run.events import read_events
-from trainer.run.history import control_state
+from trainer.run.history import control_state, recent_recoveries
 from trainer.run.run_dir import RunDir
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def test_a_run_folder_of_the_earlier_release_resumes_with_its_history(tmp_path, 
     assert [f["key"] for f in read_events(run.path, "fault")] == [
         "sigkill@3:rank=1", *(f"exception@6:rank=0:repeat#{n}" for n in range(1, 5))]
     state = control_state(run.path)
-    assert state.recoveries["count"] >= 3 and state.recoveries["recent"][0]["fault_key"] == "sigkill@3:rank=1"
+    assert state.recoveries["count"] == 3 and recent_recoveries(run.path)[0]["fault_key"] == "sigkill@3:rank=1"
     assert f"exit code {CRASH_LOOP_EXIT_CODE}" in gave_up["message"]
     # Converted once, in time order; the earlier release's files are left as they were.
     assert json.loads(run.events_format.read_text())["migrated_from"] == ["rank-0.jsonl", "rank-1.jsonl"]

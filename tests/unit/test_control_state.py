@@ -6,7 +6,7 @@ import random
 
 from trainer.resilience.budget import no_progress_streak
 from trainer.run.events import EventLog
-from trainer.run.history import RECENT_RECOVERIES, ControlState, control_state, whole_history
+from trainer.run.history import RECENT_RECOVERIES, ControlState, control_state, recent_recoveries, whole_history
 from trainer.run.run_dir import RunDir
 
 
@@ -69,7 +69,9 @@ def test_what_a_start_reads_stays_bounded_after_the_hundredth_fault(tmp_path):
             control_state(tmp_path, save=True)
             sizes[fault] = RunDir(tmp_path).control_state.stat().st_size
     state = control_state(tmp_path)
-    assert state.recoveries["count"] == 200 and len(state.recoveries["recent"]) == RECENT_RECOVERIES
+    assert state.recoveries["count"] == 200
+    recent = recent_recoveries(tmp_path)  # read back from the end of the control records
+    assert [r["first_step"] for r in recent] == [10 * fault + 1 for fault in range(201 - RECENT_RECOVERIES, 201)]
     assert len(state.attempts) <= 3 and state.attempts_total == 201  # the last progress, the ended one, the running one
     assert sizes[200] <= sizes[20] + 64  # a few more digits in the counters, nothing per fault
     assert len(whole_history(tmp_path).attempts) == 201  # tests and tools can still see every attempt

@@ -11,7 +11,8 @@ however long the run and however many faults:
 - the drill faults fired (their keys: a fault fires once per run) and those no recovery answered yet;
 - a straggler drill still in effect, per rank and node launcher;
 - the checkpoint interval the planner chose;
-- the recoveries as totals (count, seconds, lost steps, by mechanism) and the last few records;
+- the recoveries as totals (count, seconds, lost steps, by mechanism); the last few records whole are read from
+  the end of control.jsonl by whoever shows them (``recent_recoveries``), never by a start;
 - where in failures.jsonl the next restart's explanation starts (trainer.resilience.failures);
 - the restart budget's window (trainer.resilience.budget): the attempts of the newest launch scope, trimmed
   to those a no-progress streak can still reach, and its last fault;
@@ -32,9 +33,9 @@ from trainer.env import BUDGET_SINCE_ENV
 from trainer.run.events import EventLog, read_events
 from trainer.run.legacy import ensure_current_format
 from trainer.run.run_dir import FAILURE_EVENTS, PERIODIC_EVENTS, RunDir, read_json, write_json
-from trainer.run.tail import read_last_record, read_new_lines
+from trainer.run.tail import read_last_record, read_last_records, read_new_lines
 
-RECENT_RECOVERIES = 10  # kept whole for the console's summary and summary.json; MLflow's table has them all
+RECENT_RECOVERIES = 5  # listed whole in summary.json and the CLI's summary; MLflow's table has them all
 
 
 def handled_keys(record: dict[str, Any]) -> set[str]:
@@ -59,7 +60,7 @@ class ControlState:
     launches: int = 0  # trainer launches (rank 0's launch records)
     first_process_started_at: float | None = None
     recoveries: dict[str, Any] = field(default_factory=lambda: {"count": 0, "seconds": 0.0, "timed": 0,
-                                                                "lost_steps": 0, "by_mechanism": {}, "recent": []})
+                                                                "lost_steps": 0, "by_mechanism": {}})
     failures_offset: int = 0  # failures.jsonl: where the next restart's explanation starts
     attempts_total: int = 0
     scope: str | None = None  # the restart budget's launch scope (trainer.resilience.budget.launch_scope)
@@ -157,7 +158,6 @@ class ControlState:
         totals["lost_steps"] += record.get("lost_steps") or 0
         mechanism = record.get("mechanism", "unknown")
         totals["by_mechanism"][mechanism] = totals["by_mechanism"].get(mechanism, 0) + 1
-        totals["recent"] = (totals["recent"] + [record])[-RECENT_RECOVERIES:]
         self.failures_offset = record.get("failures_offset", self.failures_offset)
 
     def _straggler(self, record: dict[str, Any]) -> None:
@@ -241,6 +241,12 @@ def control_state(run_dir: Path, *, save: bool = False) -> ControlState:
         if save:
             write_json(run.control_state, state.to_json())
     return state
+
+
+def recent_recoveries(run_dir: Path, count: int = RECENT_RECOVERIES) -> list[dict[str, Any]]:
+    """The run's last few recovery records, oldest first, read backwards from the end of control.jsonl: what they
+    cost is the records after the count-th last recovery, not the history."""
+    return read_last_records(RunDir(run_dir).control_log, lambda r: r.get("event") == "recovery", count)
 
 
 def whole_history(run_dir: Path) -> ControlState:

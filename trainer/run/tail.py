@@ -2,6 +2,7 @@
 
     records, offset = read_new_lines(path, offset)   # from where the last call stopped
     record = read_last_record(path, before=t)         # the last record older than t, read from the end
+    records = read_last_records(path, wanted, count)  # the last few records of a kind, read from the end
 
 A line still being written (no newline yet) waits for the next call; a line torn by a process killed
 mid-write, and written after, is skipped, and so are the blank lines that separate shared streams' records
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def read_new_lines(path: Path, offset: int = 0, until: int | None = None) -> tuple[list[dict[str, Any]], int]:
@@ -31,14 +32,22 @@ def read_new_lines(path: Path, offset: int = 0, until: int | None = None) -> tup
 def read_last_record(path: Path, before: float | None = None, block: int = 1 << 16) -> dict[str, Any] | None:
     """The file's last record (with `before`: the last whose "time" is earlier), read backwards block by block:
     what a restart asks of a month of metrics.jsonl costs the blocks after that record, not the file."""
+    found = read_last_records(path, lambda r: before is None or r.get("time", float("inf")) < before, 1, block)
+    return found[0] if found else None
+
+
+def read_last_records(path: Path, wanted: Callable[[dict[str, Any]], bool], count: int,
+                      block: int = 1 << 16) -> list[dict[str, Any]]:
+    """The last `count` records `wanted` accepts, oldest first, read backwards block by block from the file's end."""
+    found: list[dict[str, Any]] = []
     try:
         handle = Path(path).open("rb")
     except FileNotFoundError:
-        return None
+        return found
     with handle:
         end = handle.seek(0, 2)
         tail = b""
-        while end > 0:
+        while end > 0 and len(found) < count:
             start = max(0, end - block)
             handle.seek(start)
             tail = handle.read(end - start) + tail
@@ -49,9 +58,11 @@ def read_last_record(path: Path, before: float | None = None, block: int = 1 << 
             else:
                 tail = b""
             for record in reversed(_parse(b"\n".join(lines))):
-                if before is None or record.get("time", float("inf")) < before:
-                    return record
-    return None
+                if wanted(record):
+                    found.append(record)
+                    if len(found) == count:
+                        break
+    return found[::-1]
 
 
 def _parse(data: bytes) -> list[dict[str, Any]]:
