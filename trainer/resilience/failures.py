@@ -1,6 +1,6 @@
 """Why a restart happened, in one sentence, from the ranks' own records.
 
-When a rank fails it records how, in its own events file (``rank_failed``), before it goes: the exception
+When a rank fails it records how, in events/failures.jsonl (``rank_failed``), before it goes: the exception
 (type, message, start-up phase or training, step) — a peer's loss seen as a broken connection or a collective
 timeout is marked secondary —, a SIGTERM from the launcher tearing the job down (secondary), a replacement as
 a straggler. A start-up hang is the watchdog's ``hang`` record (trainer.resilience.phases), a drill the

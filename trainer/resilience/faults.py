@@ -7,7 +7,7 @@ Loop faults fire after a step (``maybe_inject``); save drills SIGKILL the proces
 than that save; ``checkpoint_writer_crash`` makes the writer of a save fail half-way through its files (the
 save is reported failed, never committed, and the next one commits).
 
-Each fault fires once per run: before acting, the faulting rank records a ``fault`` event in its events file
+Each fault fires once per run: before acting, the faulting rank records a ``fault`` event in the control records
 (durable across the restart), and a fault already recorded there never fires again — so the replay of the
 lost steps after recovery runs clean. A ``:repeat`` fault is a crash loop instead: it fires on every attempt
 that is about to train its step (a bad batch, a broken node), which the restart budget must end

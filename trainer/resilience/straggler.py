@@ -226,7 +226,7 @@ class StragglerDetector:
         found = {**findings(report, self.threshold, step), "steps": steps}
         slow_nodes = {s["node"] for s in found["stragglers"]}
         self._streaks = {node: self._streaks.get(node, 0) + 1 for node in slow_nodes}
-        # Compact: the per-rank maps (thousands of ranks, every interval for weeks) stay out of the events file;
+        # Compact: the per-rank maps (thousands of ranks, every interval for weeks) stay out of the events;
         # each straggler's own scores are in its straggler event, every rank's in its Prometheus gauges.
         self.events.write("straggler_report", step=step, steps=steps, threshold=self.threshold, ranks=len(
             found["rank_to_node"]), lowest=found["lowest"], stragglers=[s["straggler_rank"] for s in found["stragglers"]])
