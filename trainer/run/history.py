@@ -16,8 +16,8 @@ however long the run and however many faults:
 - where in failures.jsonl the next restart's explanation starts (trainer.resilience.failures);
 - the restart budget's window (trainer.resilience.budget): the attempts of the newest launch scope, trimmed
   to those a no-progress streak can still reach, and its last fault;
-- the give-up, the train step's launches (a continuation's wall time is theirs, not the gaps between them),
-  the trainer launches, each straggling rank's summary.
+- the train step's launches (a continuation's wall time is theirs, not the gaps between them), the first process
+  start, each straggling rank's summary.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class ControlState:
     unhandled_faults: list[dict[str, Any]] = field(default_factory=list)  # fired, not answered by a recovery yet
     straggling: list[list] = field(default_factory=list)  # [rank, its node launcher's pid] of straggler drills
     interval_chosen: dict[str, Any] | None = None
-    launches: int = 0  # trainer launches (rank 0's launch records)
     first_process_started_at: float | None = None
     recoveries: dict[str, Any] = field(default_factory=lambda: {"count": 0, "seconds": 0.0, "timed": 0,
                                                                 "lost_steps": 0, "by_mechanism": {}})
@@ -66,7 +65,6 @@ class ControlState:
     scope: str | None = None  # the restart budget's launch scope (trainer.resilience.budget.launch_scope)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # the scope's window, oldest first
     last_fault: dict[str, Any] | None = None  # the newest drill fault of the scope
-    gave_up: dict[str, Any] | None = None
     train_launches: list[dict[str, Any]] = field(default_factory=list)  # the train step's: started_at, finished_at
     stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)  # rank -> first report, streaks, lowest
     last_time: float = 0.0  # the newest record folded in
@@ -108,15 +106,12 @@ class ControlState:
         elif kind == "recovery":
             self._recovery(record)
         elif kind == "launch":
-            self.launches += 1
             started = record.get("process_started_at")
             if started is not None:
                 self.first_process_started_at = min(started, self.first_process_started_at or started)
         elif kind == "checkpoint_interval_chosen":
             self.interval_chosen = record
-        elif kind == "gave_up":
-            self.gave_up = {"time": now, "generation": record.get("generation"), "layer": record.get("layer"),
-                            "message": record.get("message")}
+        elif kind == "gave_up":  # a new launch after a give-up starts with a full budget (gave_up.json: the record)
             if not whole:
                 self.attempts, self.last_fault = [], None
         elif kind == "straggler":
