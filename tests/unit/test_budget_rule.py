@@ -28,10 +28,11 @@ def test_the_streak_counts_recoveries_that_did_not_advance_the_state(resumes, cu
     assert no_progress_streak(resumes, current) == streak
 
 
-def _budget(tmp_path, limit=2, layer="ft_launcher", generation=1):
+def _budget(tmp_path, limit=2, layer="ft_launcher", generation=1, own_generation=False):
     return RestartBudget(tmp_path, rank=0, events=EventLog(tmp_path, 0), limit=limit, in_process_limit=1,
                          layer=layer, generation=generation, process_started_at=0.0, broadcast=lambda value: value,
-                         history=control_state(tmp_path, save=True))  # as rank 0 folds it at a start
+                         history=control_state(tmp_path, save=True),  # as rank 0 folds it at a start
+                         own_generation=own_generation)
 
 
 def test_the_budget_gives_up_once_and_names_the_step_the_fault_and_the_layer(tmp_path, monkeypatch):
@@ -144,3 +145,24 @@ def test_the_launchers_watch_signals_again_when_a_stop_was_swallowed(tmp_path):
         signal.signal(signal.SIGTERM, previous)
     assert received == [signal.SIGTERM, signal.SIGTERM]
     assert watch.matches({"generation": 5}) and not watch.matches({"generation": 4})
+
+
+def test_started_by_hand_a_give_up_refuses_the_workers_its_launcher_restarts(tmp_path, monkeypatch):
+    """Without the pipeline, rank 0 takes a lease generation of its own at every start (trainer.job.startup), so
+    a worker ft_launcher restarts after the give-up has a new generation: the give-up is matched by its launch
+    scope (this invocation) instead. Seen: test_upgrade had, now and then, one more attempt after the give-up."""
+    monkeypatch.delenv("RESILIENT_TRAIN_BUDGET_SINCE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "by-hand")
+    events = EventLog(tmp_path, 0)
+    for generation, resumed in ((1, 0), (2, 7), (3, 7)):
+        _budget(tmp_path, generation=generation, own_generation=True).start()
+        events.write("resume", step=resumed, source="memory", path=None)
+    budget = _budget(tmp_path, generation=4, own_generation=True)
+    budget.start()
+    with pytest.raises(RestartBudgetExhausted):
+        budget.check(7)
+    with pytest.raises(RestartBudgetExhausted):  # restarted by the same invocation: refused, no new attempt
+        _budget(tmp_path, generation=5, own_generation=True).start()
+    assert len(attempt_history(tmp_path, 0.0)) == 4
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "by-hand-again")  # a new invocation after a fix: a full budget
+    _budget(tmp_path, generation=6, own_generation=True).start()

@@ -109,7 +109,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         in_process_limit=cfg.resilience.in_process_max_restarts,
         layer=current_layer(in_process.iteration if in_process else 0), generation=fence.generation,
         process_started_at=worker_started_at(), broadcast=lambda value: from_rank_0(world_size, value),
-        history=history)
+        history=history, own_generation=GENERATION_ENV not in os.environ)  # the same on every rank
     restart_budget.start()  # a crash loop ends here, before the model is built again
     torch.manual_seed(cfg.run.seed)
     timer.done("process_group")

@@ -166,12 +166,15 @@ class RestartBudget:
 
     def __init__(self, run_dir: Path, *, rank: int, events: EventLog, limit: int, in_process_limit: int,
                  layer: str, generation: int | None, process_started_at: float, broadcast,
-                 history: ControlState | None = None):
+                 history: ControlState | None = None, own_generation: bool = False):
         """broadcast(obj) -> obj: rank 0's object on every rank (torch.distributed in the trainer); history: the
         control records as this start folded them (rank 0; trainer.run.history), kept up to date with what this
         budget writes — its decisions read nothing else."""
         self.run_dir = RunDir(run_dir)
         self.history = history if history is not None else ControlState()
+        # Started by hand, rank 0 takes a generation of its own at every start: then a give-up is this launch's
+        # when it names this launch scope (one torchrun/ft_launcher invocation), not this generation.
+        self.own_generation = own_generation
         self.rank = rank
         self.events = events
         self.limit = limit
@@ -184,7 +187,9 @@ class RestartBudget:
     def start(self) -> None:
         """Record this attempt, then stop before any heavy work if the history already says so."""
         gave_up = read_gave_up(self.run_dir.path)
-        if gave_up is not None and self.generation is not None and gave_up.get("generation") == self.generation:
+        if gave_up is not None and (
+                (self.generation is not None and gave_up.get("generation") == self.generation)
+                or (self.own_generation and gave_up.get("scope") == launch_scope())):
             # This launch gave up already; ft_launcher restarted us before trainer.launcher stopped it.
             raise RestartBudgetExhausted(gave_up["message"])
         if self.rank == 0:
@@ -219,7 +224,8 @@ class RestartBudget:
             last_fault = next((a.fault for a in reversed(ended) if a.fault), self.history.last_fault)
             message = give_up_message(ended, resumed_step, streak, self.limit, self.layer, self.run_dir.train_log,
                                       last_fault)
-            record = {"time": time.time(), "generation": self.generation, "layer": self.layer, "streak": streak,
+            record = {"time": time.time(), "generation": self.generation, "scope": launch_scope(),
+                      "layer": self.layer, "streak": streak,
                       "limit": self.limit, "step": resumed_step, "message": message, "last_fault": last_fault}
             write_json(self.run_dir.gave_up, record)
             self._record("gave_up", **{k: v for k, v in record.items() if k != "time"})
