@@ -28,7 +28,7 @@ COPY trainer ./trainer
 # pipeline-side dependencies (kfp, mlflow): the trainer does not import them (boto3 it does, for the S3 tier).
 RUN pip install --no-cache-dir -c /etc/pip/constraint.txt -r docker/trainer-requirements.txt \
     && pip install --no-cache-dir --no-deps . \
-    && python -c "import trainer.job.cli, nvidia_resiliency_ext, torch; assert torch.cuda.is_available() or True" \
+    && python -c "import trainer.job.cli, nvidia_resiliency_ext, torchft.manager, torch; assert torch.cuda.is_available() or True" \
     && test -e /opt/amazon/ofi-nccl/lib/libnccl-net.so -o -e /opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so
 
 RUN groupadd --gid 10001 app && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home app

@@ -8,6 +8,10 @@ can read them without paying for the rest of the trainer. Who sets each one is s
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # restarts of this node's workers by its launcher
 TORCHELASTIC_RUN_ID_ENV = "TORCHELASTIC_RUN_ID"  # the elastic run: set only under a launcher
 NODE_RANK_ENV = "PET_NODE_RANK"  # which node this is (Kubeflow Trainer's torch runtime; the local runner too)
+# the node's index in the whole job where replica groups each number their nodes from 0 (set with the group)
+NODE_INDEX_ENV = "RESILIENT_TRAIN_NODE_INDEX"
+# how many times this node index was replaced in this launch (the local runner; 0 or unset: the node's first)
+NODE_REPLACEMENT_ENV = "RESILIENT_TRAIN_NODE_REPLACEMENT"
 NUM_NODES_ENV = "PET_NNODES"  # how many nodes (the same runtime's; the local runner too)
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by NVRx's ft_launcher for each worker it monitors
 
@@ -18,6 +22,8 @@ GENERATION_ENV = "RESILIENT_TRAIN_LEASE_GENERATION"  # the launch's generation o
 BUDGET_SINCE_ENV = "RESILIENT_TRAIN_BUDGET_SINCE"  # its launch's start (epoch seconds): the run's start too
 JOB_TOKEN_ENV = "RESILIENT_TRAIN_JOB_TOKEN"  # inherited by every process of one launch
 RUN_DIR_ENV = "RESILIENT_TRAIN_RUN_DIR"  # and the run folder it trains into (ps e, debugging, tests)
+REPLICA_GROUP_ENV = "RESILIENT_TRAIN_REPLICA_GROUP"  # the replica group of a node's processes (R >= 2)
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's: the lighthouse's address, read by each group's rank 0
 RENDEZVOUS_NODES_ENV = "RESILIENT_TRAIN_RENDEZVOUS_NODES"  # --nodes, set by the TrainJob on the rendezvous pod
 
 # -- set by a node's launcher (trainer.launch.launcher) for every process of its node ---------------------

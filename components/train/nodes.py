@@ -10,11 +10,19 @@ workers and wipes its memory) is replaced after ``local.node_replacement_delay_s
 with the same index, while the survivors' workers restart in-job and wait in the rendezvous; exit code 43 (a
 replacement did not come within resilience.replacement_timeout_seconds) restarts the whole job, 42 (the
 restart budget gave up) fails it. docs/node-loss.md follows a loss pod by pod.
+
+With training.replica_groups = R >= 2 the nodes split into R groups of num_nodes / R (node i in group
+i // (num_nodes / R)), each a job of its own: its own rendezvous store, node ranks from 0, in-job restarts and
+node replacement inside the group; torchft's lighthouse (started here, and again if it dies) forms each step's
+quorum across them. A group's 43 restarts that group only; a group that cannot come back (its restart budget
+gave up, or a permanent group_loss drill) is dropped while resilience.min_replica_groups groups remain.
+docs/replica-groups.md.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -28,8 +36,11 @@ import psutil
 from components.train.processes import (LaunchOutput, TrainingError, TrainingTimeout, job_processes, launch_env,
                                         raise_for_exit)
 from trainer.config import Config
-from trainer.env import JOB_TOKEN_ENV, NODE_RANK_ENV, NUM_NODES_ENV
-from trainer.launch.command import trainer_command
+from trainer.config.drills import parse_schedule
+from trainer.env import (JOB_TOKEN_ENV, LIGHTHOUSE_ENV, NODE_INDEX_ENV, NODE_RANK_ENV, NODE_REPLACEMENT_ENV,
+                         NUM_NODES_ENV, REPLICA_GROUP_ENV)
+from trainer.launch.command import nodes_per_group, trainer_command
+from trainer.launch.lighthouse import lighthouse_command
 from trainer.launch.node_lifecycle import Verdict, verdict
 from trainer.launch.rendezvous_store import READY_LINE
 from trainer.run.history import control_state
@@ -43,7 +54,8 @@ STOP_GRACE_SECONDS = 10.0
 
 @dataclass
 class Node:
-    index: int
+    index: int  # the node's index in the job (its group's nodes are numbered from 0 in the group)
+    group: int
     proc: subprocess.Popen
     reader: threading.Thread
     started: float
@@ -81,6 +93,41 @@ def start_rendezvous_store(env: dict[str, str], nodes: int) -> tuple[subprocess.
     raise TrainingError(f"the rendezvous store did not start (exit code {store.wait()})")
 
 
+class Lighthouse:
+    """torchft's lighthouse for the groups of one launch (trainer.launch.lighthouse), started again on the same
+    port whenever it dies: it holds no state, and the managers retry their quorum requests meanwhile."""
+
+    def __init__(self, cfg: Config, env: dict[str, str]):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.command, self.env, self.restarts = lighthouse_command(cfg, f"127.0.0.1:{self.port}"), env, 0
+        self.address = f"http://127.0.0.1:{self.port}"
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        # Its log is a line per quorum (every step): not the run's log.
+        return subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env,
+                                start_new_session=True)
+
+    def keep_alive(self, output: LaunchOutput) -> None:
+        if self.proc.poll() is not None:
+            self.restarts += 1
+            output.note(f"the lighthouse exited ({_exit_text(self.proc.returncode)}): started again on port "
+                        f"{self.port} (restart {self.restarts})", logging.WARNING)
+            self.proc = self._start()
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def permanently_lost_groups(cfg: Config, fired_keys: list[str]) -> set[int]:
+    """The groups a permanent group_loss drill took for good (its key is among the fired faults)."""
+    return {f.group for f in parse_schedule(cfg.faults.schedule)
+            if f.type == "group_loss" and f.permanent and f.key in fired_keys}
+
+
 def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, generation: int,
                  budget_since: float) -> None:
     """Run the job's nodes until every one finished. Raises CrashLoop, TrainingTimeout, NodeReplacementTimeout
@@ -89,30 +136,69 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
     run_dir = RunDir(cfg.run_dir)
     token = uuid.uuid4().hex
     env = launch_env(cfg, attempt, token, generation, budget_since)
-    count = cfg.training.num_nodes
+    count, groups, per_group = cfg.training.num_nodes, cfg.training.replica_groups, nodes_per_group(cfg)
+    min_groups = cfg.resilience.min_groups(groups)
     delay = cfg.local.node_replacement_delay_seconds
-    store, port = start_rendezvous_store(env, count)
-    command = trainer_command(cfg, config_path, data_dir, rendezvous_endpoint=f"127.0.0.1:{port}")
-    log.info("launching %d nodes x %d ranks (attempt %d, lease generation %d), rendezvous store on port %d: %s",
-             count, cfg.training.nproc_per_node, attempt + 1, generation, port, " ".join(command))
+    lighthouse = Lighthouse(cfg, env) if groups > 1 else None
+    if lighthouse is not None:
+        env = {**env, LIGHTHOUSE_ENV: lighthouse.address}
+    stores = [start_rendezvous_store(env, per_group) for _ in range(groups)]
+    commands = [trainer_command(cfg, config_path, data_dir, rendezvous_endpoint=f"127.0.0.1:{port}")
+                for _, port in stores]
+    log.info("launching %d nodes x %d ranks%s (attempt %d, lease generation %d), rendezvous store(s) on port(s) "
+             "%s: %s", count, cfg.training.nproc_per_node, f" in {groups} replica groups" if groups > 1 else "",
+             attempt + 1, generation, ", ".join(str(port) for _, port in stores), " ".join(commands[0]))
     deadline = time.monotonic() + cfg.training.timeout_seconds
     running: dict[int, Node] = {}
     replacements: dict[int, float] = {}  # node index -> when its replacement starts
     finished: set[int] = set()
+    gone: set[int] = set()  # nodes of groups dropped for good
+    replaced: dict[int, int] = {}  # node index -> launchers started for it (the first is no replacement)
     failures_without_attempts, attempts_seen = 0, control_state(run_dir.path).attempts_total
     with run_dir.train_log.open("a") as log_file:
         output = LaunchOutput(log_file)
 
         def start(index: int) -> Node:
-            proc = subprocess.Popen(node_command(command, index), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, env={**env, NODE_RANK_ENV: str(index), NUM_NODES_ENV: str(count)},
-                                    start_new_session=True)
-            output.note(f"node {index} started (launcher pid {proc.pid})")
-            return Node(index, proc, output.follow(proc.stdout, f"[node-{index}] "), time.monotonic())
+            group = index // per_group
+            node_env = {**env, NODE_RANK_ENV: str(index % per_group), NUM_NODES_ENV: str(per_group),
+                        NODE_REPLACEMENT_ENV: str(replaced.get(index, 0))}
+            replaced[index] = replaced.get(index, 0) + 1
+            if groups > 1:  # torchft's Rust side logs each quorum and commit at info level unless told otherwise
+                node_env.update({REPLICA_GROUP_ENV: str(group), NODE_INDEX_ENV: str(index),
+                                 "RUST_LOG": env.get("RUST_LOG", "warn")})
+            proc = subprocess.Popen(node_command(commands[group], index), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=node_env, start_new_session=True)
+            output.note(f"node {index} started{f' (replica group {group})' if groups > 1 else ''} "
+                        f"(launcher pid {proc.pid})")
+            return Node(index, group, proc, output.follow(proc.stdout, f"[node-{index}] "), time.monotonic())
+
+        def drop_group(group: int, why: str) -> None:
+            """A group that cannot come back: the job goes on without it while enough groups are left."""
+            members = set(range(group * per_group, (group + 1) * per_group))
+            left = groups - len(gone) // per_group - 1
+            if left < min_groups:
+                message = (f"replica group {group} is lost ({why}) and {left} group(s) are left, fewer than "
+                           f"resilience.min_replica_groups={min_groups}: the job stops")
+                output.note(message, logging.ERROR)
+                raise TrainingError(f"{message}; log: {run_dir.train_log}")
+            output.note(f"replica group {group} is lost for good ({why}): {left} group(s) train on",
+                        logging.WARNING)
+            gone.update(members)
+            stop_nodes([running.pop(i) for i in members if i in running], token, group=group)
+            for index in members:
+                replacements.pop(index, None)
+
+        def restart_group(group: int) -> None:
+            members = range(group * per_group, (group + 1) * per_group)
+            stop_nodes([running.pop(i) for i in members if i in running], token, group=group)
+            for index in members:
+                replacements[index] = time.monotonic()
 
         try:
             running = {index: start(index) for index in range(count)}
-            while len(finished) < count:
+            while len(finished | gone) < count:
+                if lighthouse is not None:
+                    lighthouse.keep_alive(output)
                 if time.monotonic() > deadline:
                     raise TrainingTimeout(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; "
                                           f"every training process was stopped; log: {run_dir.train_log}")
@@ -123,14 +209,29 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                     del running[index]
                     node.reader.join(timeout=5)
                     outcome = verdict(returncode)
+                    if index in gone:
+                        continue
                     if outcome is Verdict.FINISHED:
                         finished.add(index)
+                        for pending in list(replacements):  # training is over: nothing left to replace
+                            del replacements[pending]
+                            finished.add(pending)
+                    elif outcome is Verdict.FAIL_JOB and groups > 1:  # this group's restart budget gave up
+                        drop_group(node.group, f"node {index} exited with {_exit_text(returncode)}: its restart "
+                                   "budget gave up")
                     elif outcome is Verdict.FAIL_JOB:
                         raise_for_exit(cfg, returncode, generation, output, what=f"node {index}")
                     elif finished:  # training is over (another node finished it): nothing to replace
                         output.note(f"node {index} exited with {_exit_text(returncode)} after node(s) "
                                     f"{sorted(finished)} finished training", logging.WARNING)
                         finished.add(index)
+                    elif outcome is Verdict.RESTART_JOB and groups > 1:
+                        output.note(f"node {index} waited resilience.replacement_timeout_seconds for a node of "
+                                    f"replica group {node.group} in vain: that group restarts, the others train on",
+                                    logging.WARNING)
+                        restart_group(node.group)
+                    elif node.group in permanently_lost_groups(cfg, control_state(run_dir.path).fired_fault_keys):
+                        drop_group(node.group, "a permanent group_loss drill: no replacement comes")
                     elif outcome is Verdict.RESTART_JOB:
                         raise NodeReplacementTimeout(
                             f"node {index} waited resilience.replacement_timeout_seconds="
@@ -158,17 +259,20 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                 time.sleep(POLL_SECONDS)
         finally:
             stop_nodes(list(running.values()), token)
-            store.kill()
-            store.wait()
+            for store, _ in stores:
+                store.kill()
+                store.wait()
+            if lighthouse is not None:
+                lighthouse.stop()
 
 
 def _exit_text(returncode: int) -> str:
     return f"signal {-returncode}" if returncode < 0 else f"code {returncode}"
 
 
-def stop_nodes(nodes: list[Node], token: str) -> None:
+def stop_nodes(nodes: list[Node], token: str, group: int | None = None) -> None:
     """SIGTERM to every launcher (each stops its workers), SIGKILL after the grace, then every process left
-    with the launch's token."""
+    with the launch's token (of that replica group only, given one)."""
     for node in nodes:
         if node.proc.poll() is None:
             node.proc.terminate()
@@ -180,10 +284,17 @@ def stop_nodes(nodes: list[Node], token: str) -> None:
             node.proc.kill()
             node.proc.wait()
         node.reader.join(timeout=5)
-    left = job_processes(token, JOB_TOKEN_ENV)
+    left = [p for p in job_processes(token, JOB_TOKEN_ENV) if group is None or _group_of(p) == str(group)]
     for survivor in left:
         try:
             survivor.kill()
         except psutil.NoSuchProcess:
             continue
     psutil.wait_procs(left, timeout=STOP_GRACE_SECONDS)
+
+
+def _group_of(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get(REPLICA_GROUP_ENV)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None

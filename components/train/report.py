@@ -51,7 +51,10 @@ class TrainingReport:
                 "costs": self.measured.costs(), "faults_injected": len(state.fired_fault_keys),
                 "checkpoint_saves": len(stalls), "checkpoint_stall_mean_seconds": sum(stalls) / len(stalls) if stalls
                 else 0.0, "steps_recorded": int(steps[-1]) if len(steps) else 0,
-                "checkpoint_interval_chosen": state.interval_chosen}
+                "checkpoint_interval_chosen": state.interval_chosen,
+                # each kept step once; samples_skipped: what replica groups missing from a step did not train
+                "samples_trained": int(self.measured.ledger.kept("samples").sum()),
+                "samples_skipped": int(self.measured.ledger.kept("samples_skipped").sum())}
 
     def checkpoint_records(self) -> list[dict[str, float]]:
         """Per save, as the live forwarder sends them (components.run_metrics): its commit and its stall."""

@@ -64,7 +64,8 @@ def log_outcome(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[st
     totals, goodput and badput by category (fractions of the run's wall time), the costs the planner reads
     (`python -m pipelines plan --run-id`), the interval choice's reason, a give-up's record, plots, train.log."""
     run_dir = RunDir(cfg.run_dir)
-    totals = {"step": result["steps"], "faults_injected": result["faults_injected"], **result["recovery_totals"]}
+    totals = {"step": result["steps"], "faults_injected": result["faults_injected"], **result["recovery_totals"],
+              "samples_trained": result["samples_trained"], "samples_skipped": result["samples_skipped"]}
     if result.get("goodput") is not None:
         totals["goodput"] = result["goodput"]
         wall = result["job_wall_seconds"]

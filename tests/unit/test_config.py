@@ -67,6 +67,21 @@ def test_bundled_name_resolves_to_configs_dir():
         (["--checkpoint.s3_every=0"], "checkpoint.s3_every: must be >= 1"),
         (["--run.run_id=Bad_Name"], "run.run_id"),
         (["training.num_steps"], "must look like --section.key=value"),
+        # replica groups: each rule names its field
+        (["--training.num_nodes=3", "--training.replica_groups=2"], "training.replica_groups: must divide"),
+        (["--training.num_nodes=2", "--training.replica_groups=2", "--resilience.min_replica_groups=3"],
+         "resilience.min_replica_groups: must be in [1, training.replica_groups=2]"),
+        (["--training.num_nodes=2", "--training.replica_groups=2", "--resilience.heartbeat_timeout=20"],
+         "resilience.quorum_timeout_seconds: must be below resilience.heartbeat_timeout=20"),
+        (["--training.num_nodes=2", "--training.replica_groups=2", "--resilience.replica_timeout_seconds=90"],
+         "resilience.replica_timeout_seconds: must be below resilience.heartbeat_timeout=60"),
+        (["--training.num_nodes=2", "--training.replica_groups=2", "--local.node_loss=restart_job"],
+         "local.node_loss: restart_job restarts every group"),
+        (["--faults.schedule=group_loss@5:group=1"], "could never fire: the job has one replica group"),
+        (["--training.num_nodes=2", "--training.replica_groups=2", "--faults.schedule=group_loss@5:group=2"],
+         "group 2 does not exist"),
+        (["--faults.schedule=group_loss@5:rank=1"], "group_loss@STEP:group=G[:permanent]"),
+        (["--faults.schedule=sigkill@5:group=1"], "only it takes :group= and :permanent"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):
@@ -176,3 +191,20 @@ def test_inf_from_yaml_and_from_code_is_refused(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="faults.slow_seconds: must be a finite number"):
         dataclasses.replace(Config(), faults=dataclasses.replace(Config().faults, slow_seconds=float("inf")))
+
+
+def test_a_one_group_job_keeps_its_timeouts_free_of_torchft_rules():
+    """R = 1 runs no torchft: its quorum timeouts do not constrain the heartbeat (tests run with 8 s)."""
+    cfg = load_config(None, ["--resilience.heartbeat_timeout=8"])
+    assert cfg.training.replica_groups == 1 and cfg.resilience.min_groups(1) == 1
+
+
+def test_group_loss_drills_parse_with_their_group_and_permanence():
+    from trainer.config.drills import parse_schedule
+
+    lost, gone = parse_schedule("group_loss@5:group=1, group_loss@9:group=0:permanent")
+    assert (lost.group, lost.permanent, lost.key) == (1, False, "group_loss@5:group=1")
+    assert (gone.group, gone.permanent, gone.key) == (0, True, "group_loss@9:group=0:permanent")
+    cfg = load_config(None, ["--training.num_nodes=4", "--training.replica_groups=2",
+                             "--resilience.min_replica_groups=1", "--faults.schedule=group_loss@9:group=1:permanent"])
+    assert cfg.resilience.min_groups(2) == 1

@@ -50,6 +50,8 @@ def test_the_trainer_image_resolves_on_ngc_without_replacing_its_torch_or_pullin
                        "3.12", 39)
     assert resolved["torch"] == "2.9.0"  # the base's, as pinned
     assert tuple(int(p) for p in resolved["nvidia-resiliency-ext"].split(".")[:2]) >= (0, 6)
+    # replica groups: a cp312 wheel exists and installs beside the base's torch (it asks torch>=2.7)
+    assert tuple(int(p) for p in resolved["torchft"].split(".")[:2]) >= (0, 2)
     assert "kfp" not in resolved and "mlflow" not in resolved
 
 

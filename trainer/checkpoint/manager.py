@@ -49,8 +49,12 @@ class CheckpointManager:
     def __init__(self, directory: Path, cfg: CheckpointConfig, *, rank: int, device: torch.device,
                  metadata: dict[str, Any], events: EventLog, memory: MemoryTier | None = None,
                  s3: S3Tier | None = None, save_point: Callable[[str, int], str | None] = _no_hook, fence=None,
-                 prefetch=None, phase: Callable[[str], Any] | None = None):
+                 prefetch=None, phase: Callable[[str], Any] | None = None,
+                 writes_shared: Callable[[], bool] = lambda: True):
         self._cfg, self._events = cfg, events
+        # With replica groups, one group writes the job's FSx checkpoint (the same on every rank of a group:
+        # trainer.resilience.replica_groups); the others keep their node-memory copies only.
+        self._writes_shared = writes_shared
         self._memory = memory if cfg.enabled else None
         s3 = s3 if cfg.enabled else None
         self._interval_steps: int | None = None  # the planner's choice when checkpoint.interval_steps is auto
@@ -95,7 +99,8 @@ class CheckpointManager:
             self._memory.save(step, state)
             self.costs.memory_copy(time.perf_counter() - entered)
         self._saves.poll()
-        saving = (last or step % self.interval_steps == 0) and self._saves.last_saved_step != step
+        saving = ((last or step % self.interval_steps == 0) and self._saves.last_saved_step != step
+                  and self._writes_shared())
         if not saving:
             self.costs.loop_waited(time.perf_counter() - entered)
             return False
@@ -125,6 +130,8 @@ class CheckpointManager:
         and saved again if that save failed. Collective: the last save's costs are recorded too."""
         self.save(step, state_fn, last=True)
         self.wait()
+        if self.enabled and not self._writes_shared():
+            return
         if self.enabled and self._saves.last_saved_step != step:
             log.warning("the final checkpoint (step %d) failed; saving it again", step)
             self.save(step, state_fn, last=True)

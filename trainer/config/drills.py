@@ -27,7 +27,7 @@ STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group":
                  "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx"),
                  "hang_in_first_step": ("first_step",)}
 LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
-               "corrupt_memory", "straggler")
+               "corrupt_memory", "straggler", "group_loss")
 # Save drill -> the sub-step of CheckpointManager.save it acts at (the manager calls save_point(point, step)).
 SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
               "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
@@ -40,7 +40,7 @@ FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS)
 REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
 
 _ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
-                   r"(?P<repeat>:repeat)?$")
+                   r"(?::group=(?P<group>\d+))?(?P<permanent>:permanent)?(?P<repeat>:repeat)?$")
 
 
 
@@ -51,10 +51,14 @@ class Fault:
     seconds: float | None  # or once this many seconds of training have passed in the run
     rank: int
     repeat: bool = False  # fires on every attempt that is about to train `step` (a crash loop)
+    group: int | None = None  # group_loss: the replica group lost (fired by its first rank)
+    permanent: bool = False  # group_loss: no replacement comes (the job goes on with fewer groups)
 
     @property
     def key(self) -> str:
         when = f"{self.step}" if self.step is not None else f"t={self.seconds}"
+        if self.group is not None:
+            return f"{self.type}@{when}:group={self.group}" + (":permanent" if self.permanent else "")
         return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat else "")
 
 
@@ -71,6 +75,11 @@ def parse_schedule(text: str) -> list[Fault]:
         if match["type"] not in FAULT_TYPES:
             raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
         kind, rank = match["type"], int(match["rank"] or 0)
+        if (kind == "group_loss") != (match["group"] is not None) or (match["permanent"] and kind != "group_loss"):
+            raise ValueError(f"{raw!r}: a replica group's loss is group_loss@STEP:group=G[:permanent], and only it "
+                             "takes :group= and :permanent")
+        if kind == "group_loss" and (match["rank"] or match["seconds"] or match["repeat"]):
+            raise ValueError(f"{raw!r}: group_loss takes group_loss@STEP:group=G[:permanent] (no rank, time or repeat)")
         if kind in SAVE_FAULTS and match["seconds"]:
             raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
         if kind in STARTUP_HANGS and match["seconds"]:
@@ -83,15 +92,21 @@ def parse_schedule(text: str) -> list[Fault]:
             raise ValueError(f"{raw!r}: ':repeat' (a crash loop at one step) takes TYPE@STEP with TYPE one of "
                              f"{list(REPEATABLE)}")
         faults.append(Fault(kind, int(match["step"]) if match["step"] else None,
-                            float(match["seconds"]) if match["seconds"] else None, rank, bool(match["repeat"])))
+                            float(match["seconds"]) if match["seconds"] else None, rank, bool(match["repeat"]),
+                            int(match["group"]) if match["group"] is not None else None, bool(match["permanent"])))
     return faults
 
 
-def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool) -> str | None:
+def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool, replica_groups: int = 1) -> str | None:
     """Why a parsed schedule item could never fire in any run of this job, if one could not (the config refuses
     it). A step past training.num_steps is not refused: shortening a run should not mean editing its drills;
     the trainer says which will not fire (FaultInjector)."""
     for fault in faults:
+        if fault.group is not None and replica_groups == 1:
+            return f"{fault.key} could never fire: the job has one replica group (training.replica_groups=1)"
+        if fault.group is not None and fault.group >= replica_groups:
+            return (f"{fault.key} could never fire: group {fault.group} does not exist (training.replica_groups="
+                    f"{replica_groups})")
         if fault.rank >= world_size:
             return f"{fault.key} could never fire: rank {fault.rank} does not exist (the job has {world_size} ranks)"
         if fault.type in SAVE_FAULTS and not checkpoints:

@@ -99,6 +99,35 @@ class ResilienceConfig:
     straggler_patience: int = 3
     """Reports in a row naming the same node before on_straggler=replace_node replaces it."""
 
+    min_replica_groups: int = 0
+    """With training.replica_groups = R >= 2: the fewest groups the job goes on with when a group cannot come
+    back (its restart budget gave up, no spare is left); 0 means R, every group: such a loss then stops the job
+    (the job relaunch restarts every group from the tiers). A group that fails and comes back never stops the
+    others: they commit without it meanwhile, whatever this says (docs/replica-groups.md)."""
+
+    replica_timeout_seconds: float = 10.0
+    """Replica groups: torchft's timeout for the all-reduce across groups, the commit vote and a heal's transfer.
+    A group that dies mid-step costs the others at most this (on NCCL; gloo sees a dead peer's socket close)."""
+
+    quorum_timeout_seconds: float = 30.0
+    """Replica groups: how long a group waits for the lighthouse to form a quorum (and to connect to it)."""
+
+    lighthouse_join_timeout_seconds: float = 5.0
+    """Replica groups: how long the lighthouse waits for groups that heartbeat but have not asked to join
+    before it forms a quorum without them (a group that restarts joins the next one)."""
+
+    lighthouse_heartbeat_timeout_seconds: float = 2.0
+    """Replica groups: a group whose manager sent no heartbeat for this long is dead to the lighthouse: the
+    detection time of a group's loss by the groups left."""
+
+    replica_check_interval: int = 100
+    """Replica groups: every this many steps the groups compare checksums of their parameters (HSDP keeps them
+    equal; a difference is a `replica_divergence` event and an error in the log); 0 turns it off."""
+
+    lighthouse_retries: int = 10
+    """Replica groups: quorum requests retried when the lighthouse cannot be reached (it restarts: locally the
+    runner starts it again, on EKS its pod), before the group fails."""
+
     job_restarts: int = -1
     """Relaunches of the whole local training job after its launcher failed: -1 (default) relaunches while the
     progress rule allows (and while relaunches start training at all); N >= 0 caps them at N (0: none).
@@ -116,6 +145,12 @@ class ResilienceConfig:
         require(self.in_process_max_restarts >= 1, "resilience.in_process_max_restarts", "must be >= 1")
         require(0 < self.collective_timeout < self.soft_timeout, "resilience.collective_timeout",
                  f"must be in (0, resilience.soft_timeout={self.soft_timeout})")
+        require(self.min_replica_groups >= 0, "resilience.min_replica_groups", "must be >= 0 (0: every group)")
+        for name in ("replica_timeout_seconds", "quorum_timeout_seconds", "lighthouse_join_timeout_seconds",
+                     "lighthouse_heartbeat_timeout_seconds"):
+            require(getattr(self, name) > 0, f"resilience.{name}", "must be > 0")
+        require(self.lighthouse_retries >= 0, "resilience.lighthouse_retries", "must be >= 0")
+        require(self.replica_check_interval >= 0, "resilience.replica_check_interval", "must be >= 0 (0: off)")
         try:
             parse_startup_timeouts(self.startup_timeouts)
         except ValueError as err:
@@ -123,6 +158,11 @@ class ResilienceConfig:
         require(self.straggler_interval >= 0, "resilience.straggler_interval", "must be >= 0 (0: off)")
         require(0 < self.straggler_threshold <= 1, "resilience.straggler_threshold", "must be in (0, 1]")
         require(self.straggler_patience >= 1, "resilience.straggler_patience", "must be >= 1")
+
+
+    def min_groups(self, groups: int) -> int:
+        """The fewest replica groups a step commits with, of `groups`."""
+        return self.min_replica_groups or groups
 
 
 @dataclass
@@ -135,7 +175,8 @@ class FaultsConfig:
     code 137), slow_rank (one pause), straggler (persistently slower: faults.straggler_factor),
     hang_in_rendezvous / hang_in_process_group / hang_in_model_build / hang_in_restore / hang_in_first_step (a
     hang in that start-up phase of the first start after step STEP; 0: the first start), checkpoint_writer_crash, node_loss (SIGKILL with the rank's node memory wiped; in a
-    multi-node job its whole node: launcher, workers, node memory),
+    multi-node job its whole node: launcher, workers, node memory), group_loss@STEP:group=G[:permanent] (with
+    training.replica_groups >= 2: every node of replica group G at once; :permanent, no replacement comes),
     corrupt_memory (SIGKILL with its newest memory copy corrupted), and the save drills kill_during_shard_write,
     kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
     sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not

@@ -205,6 +205,11 @@ class TrainingConfig:
     num_nodes: int = 1
     """Nodes in the job; locally N > 1 runs a launcher per node, each with its own node memory (docs/node-loss.md)."""
 
+    replica_groups: int = 1
+    """HSDP replica groups (R): the job's nodes split into R groups of num_nodes / R nodes; FSDP2 shards the
+    model within a group and torchft averages the gradients across groups, so a fault stops one group while
+    the others train on (docs/replica-groups.md). 1: pure FSDP over every rank, no torchft (today's path)."""
+
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend; auto picks nccl when CUDA is available, else gloo."""
 
@@ -226,6 +231,9 @@ class TrainingConfig:
         for name in ("num_steps", "batch_size", "seq_len", "grad_accum_steps", "nproc_per_node", "num_nodes",
                      "num_threads", "log_every", "timeout_seconds"):
             require(getattr(self, name) >= 1, f"training.{name}", "must be >= 1")
+        require(self.replica_groups >= 1, "training.replica_groups", "must be >= 1")
+        require(self.num_nodes % self.replica_groups == 0, "training.replica_groups",
+                f"must divide training.num_nodes={self.num_nodes} (each group has num_nodes / replica_groups nodes)")
         require(self.lr > 0, "training.lr", "must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", "must be in [0, 1]")
         require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")

@@ -48,8 +48,20 @@ class Config:
         # whole run is known (the schedule's grammar is checked by its own section).
         why = unfirable(parse_schedule(self.faults.schedule),
                         world_size=self.training.nproc_per_node * self.training.num_nodes,
-                        checkpoints=self.checkpoint.enabled)
+                        checkpoints=self.checkpoint.enabled, replica_groups=self.training.replica_groups)
         require(why is None, "faults.schedule", f"{why}; fix or drop that item")
+        require(self.resilience.min_replica_groups <= self.training.replica_groups, "resilience.min_replica_groups",
+                f"must be in [1, training.replica_groups={self.training.replica_groups}] (0: every group)")
+        if self.training.replica_groups > 1:
+            r = self.resilience
+            for name in ("replica_timeout_seconds", "quorum_timeout_seconds", "lighthouse_join_timeout_seconds",
+                         "lighthouse_heartbeat_timeout_seconds"):
+                # torchft's waits end before ft_launcher would take a waiting rank for hung and restart its group
+                require(getattr(r, name) < r.heartbeat_timeout, f"resilience.{name}",
+                        f"must be below resilience.heartbeat_timeout={r.heartbeat_timeout:g}: a group waiting on "
+                        "torchft longer than that is restarted as hung")
+        require(self.training.replica_groups == 1 or self.local.node_loss != "restart_job", "local.node_loss",
+                "restart_job restarts every group at a node's loss; replica groups replace the node in its group")
         require(self.resilience.on_straggler == "report" or self.training.num_nodes > 1, "resilience.on_straggler",
                 "replace_node takes a slow node out of a multi-node job (training.num_nodes > 1); a one-node job "
                 "has no node to replace it with: use report")

@@ -50,6 +50,7 @@ from trainer.resilience.faults import startup_hang_drill
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.resilience.phases import PhaseWatchdog, exit_hung
+from trainer.resilience.replica_groups import Single, group_of_environment, replica_groups_for
 from trainer.resilience.worker_clock import worker_started_at
 from trainer.run.events import EventLog
 from trainer.run.history import ControlState, control_state, launched_at_from_environment
@@ -61,9 +62,11 @@ from trainer.run.run_dir import RunDir
 class StartedProcess:
     """What the start-up built, by role."""
 
-    # the process in its job
+    # the process in its job (rank and world size: of its replica group, which is the job when R = 1)
     rank: int
     world_size: int
+    global_rank: int  # group * world_size + rank: what data, drills and records are keyed by
+    replica_groups: Single  # the groups across which torchft averages (trainer.resilience.replica_groups)
     device: torch.device
     watchdog: PhaseWatchdog
     fence: Fence
@@ -102,7 +105,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     watchdog.enter("process_group")
     agree_on_restart_count(world_size, device)
     fence, own_lease = join_lease(cfg.run_dir, rank)
-    events = EventLog(cfg.run_dir, rank, fence=fence)
+    global_rank = group_of_environment() * world_size + rank
+    events = EventLog(cfg.run_dir, global_rank, fence=fence, group_rank=rank)
     history = from_rank_0(world_size, control_state(cfg.run_dir, save=True) if rank == 0 else None)
     restart_budget = RestartBudget(
         cfg.run_dir, rank=rank, events=events, limit=cfg.resilience.max_restarts_without_progress,
@@ -149,7 +153,9 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
               if ckpt.enabled and ckpt.memory_interval_steps else None)
     # This launch's start (the train step's); started by hand: the run's first process, else this one.
     launched_at = launched_at_from_environment() or history.first_process_started_at or worker_started_at()
+    replica_groups = replica_groups_for(cfg, rank, world_size, events, device)
     resilience = ResilienceHooks(cfg, rank, world_size, events, device, in_process=in_process, telemetry=telemetry,
+                                 global_rank=global_rank,
                                  node_memory=memory.store if memory else None, launched_at=launched_at,
                                  history=history)
     checkpointer = CheckpointManager(
@@ -159,7 +165,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
                   "model_config": model_config.to_dict(), "tokenizer": meta["tokenizer"],
                   "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
-        save_point=resilience.injector.at_save_point, fence=fence, prefetch=prefetch, phase=watchdog.phase)
+        save_point=resilience.injector.at_save_point, fence=fence, prefetch=prefetch, phase=watchdog.phase,
+        writes_shared=lambda: replica_groups.writes_run_files)
     nodes = memory.nodes if memory is not None else max(1, world_size // ranks_per_node)
     interval_planner = AutoInterval(cfg, checkpointer, events, rank=rank, nodes=nodes, history=history)
     progress = ProgressReporter(cfg, rank=rank, nodes=nodes, restarted=resilience.is_restart, history=history,
@@ -168,7 +175,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     watchdog.leave()
     resilience.start(init_seconds={"imports": timer.started - resilience.process_started_at, **timer.phases})
     return StartedProcess(
-        rank=rank, world_size=world_size, device=device, watchdog=watchdog, fence=fence, own_lease=own_lease,
+        rank=rank, world_size=world_size, global_rank=global_rank, replica_groups=replica_groups, device=device,
+        watchdog=watchdog, fence=fence, own_lease=own_lease,
         run_dir=RunDir(cfg.run_dir), events=events, history=history, restart_budget=restart_budget, model=model,
         model_config=model_config, build_model_args=build_model_args, weights_pending=weights_pending,
         optimizer=optimizer, batches=batches, telemetry=telemetry, resilience=resilience, checkpointer=checkpointer,
@@ -176,7 +184,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
 
 
 def _start_watchdog(cfg: Config, step_of: Callable[[], int | None]) -> PhaseWatchdog:
-    rank = int(os.environ.get("RANK", "0"))
+    rank = group_of_environment() * int(os.environ.get("WORLD_SIZE", "1")) + int(os.environ.get("RANK", "0"))
     events = EventLog(cfg.run_dir, rank)  # no fence yet: the lease is joined after the rendezvous
     return PhaseWatchdog(parse_startup_timeouts(cfg.resilience.startup_timeouts),
                          on_hang=lambda phase, seconds, timeout: exit_hung(events, rank, phase, seconds, timeout,

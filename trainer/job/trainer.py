@@ -58,6 +58,7 @@ class Trainer:
         started = start_process(cfg, self.data_dir, in_process, step_of=lambda: self.step)
         # the process in its job
         self.rank, self.world_size, self.device = started.rank, started.world_size, started.device
+        self.global_rank, self.replica_groups = started.global_rank, started.replica_groups
         self.watchdog, self.fence, self._own_lease = started.watchdog, started.fence, started.own_lease
         self.run_dir, self.events, self.restart_budget = started.run_dir, started.events, started.restart_budget
         # the model and its data
@@ -68,6 +69,8 @@ class Trainer:
         self.telemetry, self.resilience, self.checkpointer = started.telemetry, started.resilience, started.checkpointer
         self.interval_planner, self.progress, self._prefetch = (started.interval_planner, started.progress,
                                                                  started.prefetch)
+        self.replica_groups.attach(self.model, self.live_state, self.load_live_state)
+        self.replica_groups.on_heal = self.resilience.note_heal
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -92,6 +95,22 @@ class Trainer:
             torch.set_rng_state(rng["cpu"])
             if "cuda" in rng:
                 torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+    def live_state(self) -> dict[str, Any]:
+        """What a healing replica group takes from this rank (its peer rank in a live group holds the same
+        shards): the local shards of the parameters and of AdamW's state, the step and the last loss."""
+        params = list(self.model.parameters())
+        return {"step": self.step, "last_loss": self.last_loss,
+                "params": [_local(p.detach()) for p in params],
+                "optim": [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]}
+
+    def load_live_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for p, value, optim in zip(self.model.parameters(), state["params"], state["optim"]):
+                _local(p).copy_(value)
+                for key, tensor in optim.items():
+                    _local(self.optimizer.state[p][key]).copy_(tensor)
+        self.step, self.last_loss = int(state["step"]), float(state["last_loss"])
 
     def resume(self) -> None:
         """Take up the newest state there is; the checkpoint manager decides which (and says why)."""
@@ -126,20 +145,25 @@ class Trainer:
             self.optimizer.state.clear()
             initialize_state(self.optimizer)
         self._weights_pending = False
+        self.replica_groups.resumed_at(self.step)
         self.resilience.note_resume(step if source != "none" else None, load_started, load_seconds, source, **restore)
 
     # -- loop --------------------------------------------------------------------------------------
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> dict[str, float] | None:
+        """One optimizer step; None when the replica groups discarded it (a group failed during it: it is
+        trained again, with the same data, by the groups left)."""
         t = self.cfg.training
         started = time.perf_counter()
+        self.replica_groups.begin_step(self.step)  # the step's quorum; a healing group takes a live group's state
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         # Timed sections (trainer.resilience.straggler): each rank's own work; the loss's all-reduce stays out.
         with self.resilience.section("data"):
-            micro_batches = [self.batches.batch(self.step, micro, self.rank) for micro in range(t.grad_accum_steps)]
+            micro_batches = [self.batches.batch(self.step, micro, self.global_rank)
+                             for micro in range(t.grad_accum_steps)]
         data_seconds = time.perf_counter() - started
         with self.resilience.section("forward_backward"):
             for inputs, labels in micro_batches:
@@ -154,17 +178,29 @@ class Trainer:
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
         with self.resilience.section("optimizer"):
-            self.optimizer.step()
+            committed = self.replica_groups.should_commit(self.step)
+            if committed:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        if not committed:
+            return None
         if self.world_size > 1:  # note: a sync point; the loss is averaged over ranks only for reporting
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        loss_sum = self.replica_groups.average_across_groups(loss_sum)
         self.step += 1
+        replicas_equal = self.replica_groups.replicas_equal(self.model, self.step)
         self.last_loss = loss_sum.item() / t.grad_accum_steps
         seconds = time.perf_counter() - started
-        tokens = t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
+        participants = self.replica_groups.participants
+        samples_per_group = t.batch_size * t.grad_accum_steps * self.world_size
+        tokens = samples_per_group * t.seq_len * participants
         return {"step": self.step, "loss": self.last_loss, "lr": lr,
+                # what this step trained, and what the groups missing from it did not (replica groups)
+                "samples": samples_per_group * participants,
+                "samples_skipped": samples_per_group * (self.replica_groups.groups - participants),
                 "grad_norm": float(grad_norm), "step_seconds": seconds, "data_seconds": data_seconds,
-                "tokens_per_second": tokens / seconds}
+                "tokens_per_second": tokens / seconds, **self.replica_groups.figures(),
+                **({"replicas_equal": replicas_equal} if replicas_equal is not None else {})}
 
     def should_continue_training(self) -> bool:
         return self.step < self.cfg.training.num_steps
@@ -177,8 +213,12 @@ class Trainer:
         with _MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
             while self.should_continue_training():
                 metrics = self.train_step()
+                if metrics is None:  # discarded by the replica groups: trained again at once
+                    self.resilience.discarded_step(self.step)
+                    continue
                 self.watchdog.close()  # start-up is over: ft_launcher's heartbeats watch the loop
-                writer.write(metrics)
+                if self.replica_groups.writes_run_files:  # one group writes each step's line
+                    writer.write(metrics)
                 if self.step % self.cfg.training.log_every == 0 or self.step == 1:
                     log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
@@ -200,10 +240,11 @@ class Trainer:
                   "checkpoint_dir": str(self.cfg.checkpoint_dir),
                   "checkpoint": (str(self.cfg.checkpoint_dir / step_dir_name(self.step))
                                  if self.checkpointer.enabled else None),
-                  "world_size": self.world_size,
+                  "world_size": self.world_size * self.replica_groups.groups,
+                  **self.replica_groups.result(),
                   "num_parameters": sum(p.numel() for p in self.model.parameters()),
                   "metrics_file": str(self.run_dir.metrics), "finished_at": time.time()}
-        if self.rank == 0:
+        if self.rank == 0 and self.replica_groups.writes_run_files:
             write_json(self.run_dir.result, result)
         return result
 
@@ -213,11 +254,17 @@ class Trainer:
         mid-round never answers, and waiting for it would hang this rank instead of letting it restart."""
         self.watchdog.close()
         self.resilience.close()
+        self.replica_groups.close()
         self.checkpointer.close(wait=wait_for_checkpoint, peers_alive=peers_alive)
         if self._own_lease is not None:
             self._own_lease.release()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard (FSDP2's parameters and their optimizer state); anything else as it is."""
+    return value.to_local() if hasattr(value, "to_local") else value
 
 
 class _MetricsWriter:

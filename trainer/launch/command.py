@@ -47,9 +47,15 @@ def rendezvous_args(cfg: Config, endpoint: str, run_id: str) -> list[str]:
     replacement_timeout_seconds for the nodes of a multi-node job — after a node's loss, for its replacement —
     before the launchers give up (trainer.launcher: exit code 43, the whole job restarts)."""
     r = cfg.resilience
-    timeout = r.replacement_timeout_seconds if cfg.training.num_nodes > 1 else r.rendezvous_timeout
+    nodes = nodes_per_group(cfg)  # with replica groups, each group is a world (and a rendezvous) of its own
+    timeout = r.replacement_timeout_seconds if nodes > 1 else r.rendezvous_timeout
     return ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}",
-            f"--rdzv-conf=join_timeout={int(timeout)},is_host=false", f"--nnodes={cfg.training.num_nodes}"]
+            f"--rdzv-conf=join_timeout={int(timeout)},is_host=false", f"--nnodes={nodes}"]
+
+
+def nodes_per_group(cfg: Config) -> int:
+    """The nodes of one replica group (the whole job's when training.replica_groups = 1)."""
+    return cfg.training.num_nodes // cfg.training.replica_groups
 
 
 def parameter_count(preset: str, vocab_size: int) -> int:

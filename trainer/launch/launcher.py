@@ -44,7 +44,8 @@ from pathlib import Path
 import psutil
 
 from trainer.checkpoint.node_folders import owner_name, remove_dead_owners
-from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV,
+from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, NODE_INDEX_ENV, NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV,
+                         NODE_STORE_ENV,
                          NODE_TOKEN_ENV, NODE_UNHEALTHY_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE, WARM_START_ENV,
                          WARM_START_PID_ENV)
 from trainer.launch.node_health import node_problems
@@ -213,7 +214,7 @@ def main(argv: list[str]) -> None:
     if run_dir is not None:
         generation = os.environ.get(GENERATION_ENV)
         give_up = GiveUpWatch(run_dir, int(generation) if generation else None).start()
-        node = f"node-{os.environ.get(NODE_RANK_ENV, '0')}"
+        node = f"node-{os.environ.get(NODE_INDEX_ENV, os.environ.get(NODE_RANK_ENV, '0'))}"
         metrics = SystemMetricsSampler(RunDir(run_dir).system_samples, SYSTEM_METRICS_SECONDS, node=node)
     store_endpoint = external_store(argv)
     if store_endpoint is not None and launcher == "ft_launcher":

@@ -42,7 +42,7 @@ BADPUT_CATEGORIES = ("checkpoint_save", "checkpoint_load", "wasted_progress", "i
                      "data_loading", "other")
 MECHANISM_COST = {"in_process": "in_process_restart_seconds", "ft_launcher": "restart_seconds",
                   "job_restart": "job_restart_seconds"}
-STEP_FIELDS = ("loss", "step_seconds", "data_seconds", "tokens_per_second", "time")
+STEP_FIELDS = ("loss", "step_seconds", "data_seconds", "tokens_per_second", "time", "samples", "samples_skipped")
 
 
 @dataclass

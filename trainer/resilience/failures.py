@@ -38,7 +38,8 @@ _LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "C
 # Fault drills as a sentence says how the rank failed.
 _DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKILL", "exit": "exited with code 137 "
            "(as the OOM killer leaves it)", "hang": "hung (no heartbeat)", "hang_in_collective": "hung in a collective",
-           "node_loss": "lost its node", "corrupt_memory": "was killed by SIGKILL with its node memory corrupted"}
+           "node_loss": "lost its node", "corrupt_memory": "was killed by SIGKILL with its node memory corrupted",
+           "group_loss": "was lost with its whole replica group"}
 MESSAGE_CHARS = 300
 SILENT_RANKS_LISTED = 64  # at 8,192 ranks a whole job can be silent: the list is cut, the count is not
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 from trainer.config.drills import SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
 from trainer.env import NODE_LAUNCHER_PID_ENV
-from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
+from trainer.resilience.node_exit import in_a_node_of_many, kill_this_group, kill_this_node
 from trainer.run.history import control_state
 from trainer.run.run_dir import RunDir
 from trainer.run.tail import read_last_record
@@ -112,6 +112,8 @@ class FaultInjector:
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
         if fault.type == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault.type == "group_loss":
+            kill_this_group(f"drill {key} after step {step} on rank {self.rank}", permanent=fault.permanent)
         if fault.type == "node_loss" and in_a_node_of_many():
             kill_this_node(f"drill {key} after step {step} on rank {self.rank}")
         if fault.type in ("node_loss", "corrupt_memory"):

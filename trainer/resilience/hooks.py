@@ -14,6 +14,7 @@ iteration, reloaded step and source, lost steps, and the split of the recovery t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.config.drills import parse_schedule, random_schedule
-from trainer.env import JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV
+from trainer.env import JOB_ATTEMPT_ENV, LAUNCHER_ENV, NODE_REPLACEMENT_ENV, RESTART_COUNT_ENV
 from trainer.resilience import nvrx_compat
 from trainer.resilience.budget import restart_layer
 from trainer.resilience.failures import explain_restarts
@@ -66,12 +67,14 @@ class Heartbeat:
 class ResilienceHooks:
     def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device, in_process=None,
                  telemetry=None, node_memory=None, launched_at: float | None = None,
-                 history: ControlState | None = None):
+                 history: ControlState | None = None, global_rank: int | None = None):
         """launched_at: this launch's start (trainer.run.history.launched_at), the origin of t=SECONDS drills;
         history: the control records as this start folded them (the faults fired, the recovery's inputs)."""
         self.cfg = cfg
         self.history = history if history is not None else ControlState()
         self.rank, self.world_size = rank, world_size
+        # drills name the job's ranks; with replica groups rank is this process's rank in its group
+        self.global_rank = rank if global_rank is None else global_rank
         self.events = events
         self.in_process = in_process
         # For an in-process restart the "process" that restarts is the attempt, not the OS process.
@@ -81,6 +84,8 @@ class ResilienceHooks:
         self.telemetry = telemetry
         self.restart_iteration = int(os.environ.get(RESTART_COUNT_ENV, "0"))
         self.job_attempt = int(os.environ.get(JOB_ATTEMPT_ENV, "0"))
+        # a replacement of a lost node (its group had no survivor to restart in-job: the whole group was lost)
+        self.node_replacement = int(os.environ.get(NODE_REPLACEMENT_ENV, "0") or 0)
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
         self.heartbeat = Heartbeat()
         self.gpu_health = GpuHealth(device, events, cfg.resilience.gpu_health_interval_steps)
@@ -88,21 +93,24 @@ class ResilienceHooks:
         faults = parse_schedule(cfg.faults.schedule)
         if cfg.faults.mtbf_steps > 0:
             types = [t.strip() for t in cfg.faults.random_types.split(",") if t.strip()]
-            faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types, world_size,
-                                      cfg.faults.seed)
+            faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types,
+                                      world_size * cfg.training.replica_groups, cfg.faults.seed)
+        # a group's loss is fired by the group's first rank
+        faults = [dataclasses.replace(f, rank=f.group * world_size) if f.group is not None else f for f in faults]
         late = [f.key for f in faults if f.step is not None and f.step > cfg.training.num_steps]
         if late and rank == 0:
             log.warning("faults scheduled after the last step (%d) will not fire: %s", cfg.training.num_steps,
                         ", ".join(late))
-        self.injector = FaultInjector(faults, rank, events, set(self.history.fired_fault_keys),
+        self.injector = FaultInjector(faults, self.global_rank, events, set(self.history.fired_fault_keys),
                                       run_started_at=launched_at or self.process_started_at,
                                       slow_seconds=cfg.faults.slow_seconds,
                                       node_memory=node_memory, straggler_factor=cfg.faults.straggler_factor,
-                                      straggling=straggling_here(self.history.straggling, rank))
+                                      straggling=straggling_here(self.history.straggling, self.global_rank))
         self.stragglers = StragglerDetector(cfg, rank=rank, world_size=world_size, device=device, events=events,
                                             telemetry=telemetry, slowdown=lambda: self.injector.slowdown)
         self.section = self.stragglers.section  # the loop's timed sections: with hooks.section("data"): ...
         self._resume: dict[str, Any] | None = None
+        self._healed = False  # this start took a live replica group's state (trainer.resilience.replica_groups)
         self._first_step_done = False
 
     def start(self, init_seconds: dict[str, float] | None = None) -> None:
@@ -124,13 +132,26 @@ class ResilienceHooks:
                         "load_seconds": load_seconds, "source": source, "fsx_bytes_read": fsx_bytes_read, **restore}
         self.injector.before_step((reloaded_step or 0) + 1)
 
+    def note_heal(self, step: int, donor: int | None, seconds: float, received_bytes: int) -> None:
+        """This group healed from a live one before its first step: the recovery reloaded that step from it."""
+        self._healed = True
+        resume = self._resume or {"load_started": time.time(), "load_seconds": 0.0}
+        self._resume = {**resume, "reloaded_step": step, "source": f"replica_group_{donor}",
+                        "load_seconds": resume["load_seconds"] + seconds, "heal_bytes": received_bytes,
+                        "heal_seconds": seconds, "donor_group": donor}
+
     @property
     def is_restart(self) -> bool:
-        return self.in_process_iteration > 0 or self.restart_iteration > 0 or self.job_attempt > 0
+        return (self.in_process_iteration > 0 or self.restart_iteration > 0 or self.job_attempt > 0
+                or self._healed or self.node_replacement > 0)
 
     @property
     def mechanism(self) -> tuple[str, int]:
         """The innermost layer that restarted this attempt, and its iteration."""
+        if self._healed:
+            return "replica_group_heal", self.restart_iteration
+        if self.node_replacement and not (self.in_process_iteration or self.restart_iteration):
+            return "node_replacement", self.node_replacement
         layer = restart_layer(self.in_process_iteration, self.restart_iteration, self.job_attempt, self.launcher)
         iteration = {"in_process": self.in_process_iteration, "job_restart": self.job_attempt}
         return ("job_restart" if layer == "first_start" else layer), iteration.get(layer, self.restart_iteration)
@@ -148,6 +169,11 @@ class ResilienceHooks:
                 self._record_recovery(step)
         self.injector.maybe_inject(step)
         self.injector.before_step(step + 1)
+
+    def discarded_step(self, step: int) -> None:
+        """The replica groups discarded the step after `step`: still alive (heartbeat), trained again at once."""
+        self.heartbeat.beat()
+        self.ping()
 
     def _lost_steps(self, reloaded_step: int) -> int | None:
         """Steps completed before the fault that must be trained again: the last step the failed attempt
@@ -177,6 +203,7 @@ class ResilienceHooks:
             "reloaded_step": resume["reloaded_step"],
             "reload_source": resume["source"],
             "fsx_bytes_read": resume.get("fsx_bytes_read", 0),  # every rank's, from checkpoint folders
+            **{key: resume[key] for key in ("heal_bytes", "heal_seconds", "donor_group") if key in resume},
             # Of a restore from FSx: the start-up's wait for it, its read hidden behind start-up, its rate.
             **{key: resume.get(key) for key in ("restore_seconds", "restore_overlapped_seconds",
                                                 "restore_gb_per_second")},

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import psutil
 
-from trainer.env import NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV
+from trainer.env import (JOB_TOKEN_ENV, NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV,
+                         REPLICA_GROUP_ENV)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,36 @@ def kill_this_node(reason: str) -> None:
             if proc.pid != os.getpid() and proc.environ().get(NODE_TOKEN_ENV) == token:
                 proc.kill()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_this_group(reason: str, permanent: bool) -> None:
+    """The group_loss drill: every node of this replica group is lost at once — each launcher first (so none
+    restarts anything), then every process of the group, and the group's node memory. Does not return.
+    permanent: the local runner starts no replacement (it reads the drill's key from the fired faults)."""
+    group, token = os.environ.get(REPLICA_GROUP_ENV), os.environ.get(JOB_TOKEN_ENV)
+    log.warning("replica group %s is lost%s (%s): every node of it goes", group,
+                " for good" if permanent else "", reason)
+    mine, stores = [], set()
+    for proc in psutil.process_iter():
+        with _ignore_gone():
+            env = proc.environ()
+            if proc.pid != os.getpid() and env.get(JOB_TOKEN_ENV) == token and env.get(REPLICA_GROUP_ENV) == group:
+                mine.append(proc)
+                stores.update([env[NODE_STORE_ENV]] if env.get(NODE_STORE_ENV) else [])
+    launchers = [p for p in mine if NODE_LAUNCHER_PID_ENV not in _environ(p)]
+    for proc in launchers + [p for p in mine if p not in launchers]:
+        with _ignore_gone():
+            proc.kill()
+    for store in stores | ({os.environ[NODE_STORE_ENV]} if os.environ.get(NODE_STORE_ENV) else set()):
+        shutil.rmtree(Path(store), ignore_errors=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _environ(proc: psutil.Process) -> dict[str, str]:
+    try:
+        return proc.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return {}
 
 
 def in_a_node_of_many() -> bool:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 
-from trainer.env import NODE_RANK_ENV
+from trainer.env import NODE_INDEX_ENV, NODE_RANK_ENV
 from trainer.resilience import nvrx_compat
 from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
 
@@ -69,7 +69,7 @@ MIN_GAP_SECONDS = 0.0005
 def node_name() -> str:
     """The node as a report names it: the host (a pod's name on EKS), with the node index where one host runs
     several nodes (the local multi-node runner)."""
-    node = os.environ.get(NODE_RANK_ENV)
+    node = os.environ.get(NODE_INDEX_ENV, os.environ.get(NODE_RANK_ENV))
     return socket.gethostname() + (f"/node-{node}" if node is not None else "")
 
 

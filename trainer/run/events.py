@@ -56,9 +56,12 @@ class EventLog:
     """One process's writer of the run's events; with a fence (trainer.run.lease.Fence), a superseded trainer
     appends nothing. rank None: a record of the train step's, not of a rank."""
 
-    def __init__(self, run_dir: Path, rank: int | None, fence=None):
+    def __init__(self, run_dir: Path, rank: int | None, fence=None, group_rank: int | None = None):
+        """rank: the job's (global) rank the records name; group_rank: its rank in its replica group, when the
+        job has several (the rank 0 of the group that writes the run's files then writes periodic records)."""
         self.run_dir = RunDir(run_dir)
         self.rank = rank
+        self.group_rank = rank if group_rank is None else group_rank
         self.fence = fence
         self.run_dir.events.mkdir(parents=True, exist_ok=True)
 
@@ -66,7 +69,8 @@ class EventLog:
         if self.fence is not None:
             self.fence.check()
         path = self.run_dir.stream_of(event)
-        assert path != self.run_dir.periodic_log or self.rank in (0, None), f"{event}: rank 0 writes periodic records"
+        assert path != self.run_dir.periodic_log or self.group_rank in (0, None), \
+            f"{event}: rank 0 writes periodic records"
         ensure_current_format(self.run_dir.path)  # an earlier release's events are migrated before anything new
         record = {"event": event, "rank": self.rank, "time": time.time(), "attempt": current_attempt(), **fields}
         append_record(path, record)

@@ -1,0 +1,195 @@
+"""Replica groups as failure domains, with real processes: HSDP over 2 groups x 2 CPU ranks (gloo, the tiny
+model), torchft's lighthouse started by the local runner, each group a job of its own (its own rendezvous store,
+ft_launcher, node memory).
+
+What is asserted is counts and participants, never durations: which steps each group took part in, who healed
+from whom, which launchers were started. On every step where both groups took part, the groups' parameters are
+compared (resilience.replica_check_interval=1: HSDP's invariant, checked by the trainer itself, which records a
+`replica_divergence` event on a mismatch).
+"""
+
+import threading
+import time
+
+import psutil
+import pytest
+
+from components.train.local import run_local_training
+from tests.metrics import losses_by_step
+from trainer.env import RUN_DIR_ENV
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir, read_jsonl
+
+pytestmark = pytest.mark.integration
+
+STEPS = 14
+GROUPS = [f"--training.num_steps={STEPS}", "--training.num_nodes=2", "--training.replica_groups=2",
+          "--checkpoint.interval_steps=4", "--resilience.heartbeat_timeout=30",
+          "--resilience.quorum_timeout_seconds=20", "--resilience.replica_check_interval=1",
+          "--resilience.lighthouse_heartbeat_timeout_seconds=1",
+          "--local.node_replacement_delay_seconds=1"]
+
+
+def _metrics(cfg) -> list[dict]:
+    return read_jsonl(RunDir(cfg.run_dir).metrics)
+
+
+def _participants(cfg) -> dict[int, int]:
+    return {int(r["step"]): r["participants"] for r in _metrics(cfg)}
+
+
+def _assert_groups_agree(cfg):
+    """Every step both groups took part in was checked and found equal; no divergence was recorded."""
+    records = _metrics(cfg)
+    both = [r for r in records if r["participants"] == 2]
+    assert both and all(r.get("replicas_equal") is True for r in both), [r for r in both if not r.get("replicas_equal")]
+    assert read_events(cfg.run_dir, "replica_divergence") == []
+
+
+def _started(cfg, nodes: int) -> dict[int, int]:
+    text = RunDir(cfg.run_dir).train_log.read_text()
+    return {node: text.count(f"[nodes] node {node} started") for node in range(nodes)}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, token_dir, training_config):
+    cfg = training_config(tmp_path_factory.mktemp("clean-groups"), "clean", *GROUPS, "--faults.schedule=")
+    result = run_local_training(cfg, token_dir)
+    assert result["steps"] == STEPS and result["replica_groups"] == 2
+    return cfg
+
+
+def test_a_clean_run_trains_every_step_with_both_groups(clean):
+    assert _participants(clean) == {step: 2 for step in range(1, STEPS + 1)}
+    _assert_groups_agree(clean)
+    assert read_events(clean.run_dir, "replica_group_heal") == []
+    [first_0, first_1] = sorted(read_events(clean.run_dir, "quorum_changed"), key=lambda r: r["group"])
+    assert first_0["groups"] == first_1["groups"] == [0, 1] and first_0["step"] == 0
+
+
+def test_a_sigkill_in_group_1_stops_that_group_only_and_it_heals_from_group_0(tmp_path, token_dir, training_config,
+                                                                             clean):
+    # The lighthouse takes group 1 for dead 0.5 s after its manager's last heartbeat (rank 2 is stopped by its
+    # launcher at once), well before group 1's restart (a fork, the rendezvous, the resume: ~1.6 s here, longer
+    # on a loaded machine) is back: group 0 trains alone meanwhile, then group 1 heals from it.
+    steps = 30
+    cfg = training_config(tmp_path, "sigkill", *GROUPS, f"--training.num_steps={steps}",
+                          "--faults.schedule=sigkill@5:rank=3", "--resilience.lighthouse_heartbeat_timeout_seconds=0.5")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == steps
+    participants = _participants(cfg)
+    assert sorted(participants) == list(range(1, steps + 1))  # one line per step, whichever group wrote it
+    alone = [step for step, count in participants.items() if count == 1]
+    assert alone and min(alone) == 6, participants  # group 0 committed the steps after the fault without group 1
+    assert participants[steps] == 2  # and group 1 came back
+    _assert_groups_agree(cfg)
+    heals = read_events(cfg.run_dir, "replica_group_heal")
+    assert sorted(h["rank"] for h in heals) == [2, 3] and {h["donor_group"] for h in heals} == {0}
+    assert all(h["bytes"] > 0 and h["step"] > 5 for h in heals)
+    [recovery] = read_events(cfg.run_dir, "recovery")
+    assert recovery["mechanism"] == "replica_group_heal" and recovery["rank"] == 2
+    assert recovery["fault_key"] == "sigkill@5:rank=3" and recovery["reload_source"] == "replica_group_0"
+    assert all(launch["rank"] in (0, 2) for launch in read_events(cfg.run_dir, "launch"))
+    assert [launch["rank"] for launch in read_events(cfg.run_dir, "launch")].count(0) == 1  # group 0: one start
+    changes = [q for q in read_events(cfg.run_dir, "quorum_changed") if q["group"] == 0]
+    assert [q["left"] for q in changes if q["left"]] == [[1]] and [q["joined"] for q in changes[1:]][-1] == [1]
+    assert _started(cfg, 2) == {0: 1, 1: 1}  # in-job restart: the group's launcher stayed
+    # The samples group 1 did not train while it was away are counted.
+    skipped = sum(r["samples_skipped"] for r in _metrics(cfg))
+    assert skipped == len(alone) * 4 * 2  # batch 4 x 2 ranks, per step without group 1
+
+
+def test_a_node_lost_inside_a_group_is_replaced_in_that_group(tmp_path, token_dir, training_config):
+    # A new launcher for the lost node (its fork server imports torch): 40 steps leave time for the heal.
+    steps = 40
+    cfg = training_config(tmp_path, "node", *GROUPS, "--training.num_nodes=4", "--training.nproc_per_node=1",
+                          f"--training.num_steps={steps}", "--faults.schedule=node_loss@5:rank=3")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == steps
+    assert _started(cfg, 4) == {0: 1, 1: 1, 2: 1, 3: 2}  # only the lost node was replaced
+    participants = _participants(cfg)
+    assert any(count == 1 for count in participants.values()) and participants[steps] == 2
+    _assert_groups_agree(cfg)
+    heals = read_events(cfg.run_dir, "replica_group_heal")
+    assert sorted(h["rank"] for h in heals) == [2, 3] and {h["donor_group"] for h in heals} == {0}
+    assert {r["rank"] for r in read_events(cfg.run_dir, "recovery")} == {2}  # group 0 never restarted
+
+
+def test_a_group_that_never_comes_back_leaves_the_job_to_the_others(tmp_path, token_dir, training_config):
+    cfg = training_config(tmp_path, "gone", *GROUPS, "--faults.schedule=group_loss@5:group=1:permanent",
+                          "--resilience.min_replica_groups=1")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == STEPS
+    participants = _participants(cfg)
+    assert all(participants[s] == 2 for s in range(1, 6)) and all(participants[s] == 1 for s in range(6, STEPS + 1))
+    assert _started(cfg, 2) == {0: 1, 1: 1}  # no replacement for the lost group
+    assert "replica group 1 is lost for good" in RunDir(cfg.run_dir).train_log.read_text()
+    records = _metrics(cfg)
+    assert sum(r["samples"] for r in records) == (5 * 2 + (STEPS - 5)) * 8
+    assert sum(r["samples_skipped"] for r in records) == (STEPS - 5) * 8
+    assert read_events(cfg.run_dir, "replica_group_heal") == []
+
+
+def test_a_group_lost_for_good_below_min_replica_groups_restarts_the_job_from_the_tiers(tmp_path, token_dir,
+                                                                                       training_config, clean):
+    """min_replica_groups defaults to every group: the job cannot go on with one, so it is relaunched, and every
+    group comes back from the tiers (the lost group's node memory went with it: FSx), healing to the furthest."""
+    cfg = training_config(tmp_path, "below", *GROUPS, "--faults.schedule=group_loss@5:group=1:permanent")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == STEPS
+    assert _participants(cfg)[STEPS] == 2
+    _assert_groups_agree(cfg)
+    launches = read_events(cfg.run_dir, "launch")
+    assert sorted({launch["job_attempt"] for launch in launches}) == [0, 1]  # the job relaunch
+    assert "fewer than resilience.min_replica_groups=2" in RunDir(cfg.run_dir).train_log.read_text()
+
+
+def test_both_groups_lost_resume_from_the_tiers(tmp_path, token_dir, training_config, clean):
+    # Synchronous saves: the step-4 checkpoint is committed when the groups go at step 5.
+    cfg = training_config(tmp_path, "both", *GROUPS, "--checkpoint.mode=sync",
+                          "--faults.schedule=group_loss@5:group=0,group_loss@5:group=1")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == STEPS
+    # Both resumed from the same FSx checkpoint and trained on together: a clean run's losses, bit for bit.
+    assert losses_by_step(RunDir(cfg.run_dir).metrics) == losses_by_step(RunDir(clean.run_dir).metrics)
+    _assert_groups_agree(cfg)
+    recoveries = read_events(cfg.run_dir, "recovery")  # each group's, from its replaced first node
+    assert sorted(r["rank"] for r in recoveries) == [0, 2]
+    assert {r["mechanism"] for r in recoveries} == {"node_replacement"}
+    assert {r["reload_source"] for r in recoveries} == {"disk"} and {r["reloaded_step"] for r in recoveries} == {4}
+    assert _started(cfg, 2) == {0: 2, 1: 2}
+
+
+def test_the_lighthouse_killed_while_training_runs_is_started_again_and_the_job_goes_on(tmp_path, token_dir,
+                                                                                        training_config, clean):
+    cfg = training_config(tmp_path, "lighthouse", *GROUPS, "--faults.schedule=")
+    killed = []
+
+    def kill_the_lighthouse_at_step_4():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            if any(r["step"] >= 4 for r in (_metrics(cfg) if RunDir(cfg.run_dir).metrics.is_file() else [])):
+                for proc in psutil.process_iter(["cmdline"]):
+                    try:
+                        if "torchft_lighthouse" in " ".join(proc.info["cmdline"] or []) and \
+                                proc.environ().get(RUN_DIR_ENV) == str(cfg.run_dir):
+                            proc.kill()
+                            killed.append(proc.pid)
+                    except (psutil.NoSuchProcess, psutil.AccessDenied):
+                        continue
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_lighthouse_at_step_4, daemon=True)
+    killer.start()
+    result = run_local_training(cfg, token_dir)
+    killer.join(timeout=5)
+
+    assert killed and result["steps"] == STEPS
+    assert "the lighthouse exited" in RunDir(cfg.run_dir).train_log.read_text()
+    assert read_events(cfg.run_dir, "recovery") == []  # no group restarted
+    assert losses_by_step(RunDir(cfg.run_dir).metrics) == losses_by_step(RunDir(clean.run_dir).metrics)

@@ -1,0 +1,349 @@
+"""Replica groups as failure domains: HSDP with torchft across groups, so a fault stops one group, not the job.
+
+    groups = replica_groups_for(cfg, rank, world_size, events, device)   # Single() when R = 1: today's path
+    groups.attach(model, state_fn, load_fn)   # FSDP2's gradient all-reduce hook goes through torchft
+    groups.begin_step(step)                   # the quorum of this step; a healing group takes a live peer's state
+    ...forward, backward...
+    if groups.should_commit(step): optimizer.step()   # else the step is discarded and trained again
+
+Each of the R groups is a job of its own (its own rendezvous, ft_launcher and in-job restart, its node memory
+and peer ring); FSDP2 shards the model over the group's ranks, and the gradient shards are averaged across the
+groups that take part in the step through the group's torchft Manager (a Lighthouse forms each step's quorum).
+Rank r of group g is global rank g * W + r: data, drills and records are keyed by it.
+
+A group that failed restarts through its own launchers, resumes from its own tiers, then heals from a live
+group (torchft's checkpoint transport: each rank fetches its peer rank's shards) and joins the next quorum.
+The other groups commit without it: a step whose gradient all-reduce saw a group die is discarded
+(should_commit is False on every group) and trained again by the groups left, with the same data.
+
+Records (control.jsonl, written by each group's rank 0): ``quorum_changed`` (groups in and out, the step, why),
+``replica_group_heal`` (donor group, bytes, seconds), ``step_discarded`` (the step, why).
+The run's shared files (metrics.jsonl, the FSx checkpoint, result.json) are written by the group that is
+replica rank 0 of the step's quorum, the lowest group index taking part: one writer per step whichever group
+died (see docs/replica-groups.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+
+from trainer.config import Config
+from trainer.env import REPLICA_GROUP_ENV
+from trainer.run.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+def group_of_environment() -> int:
+    """This process's replica group (0 unless the runner put it in one)."""
+    return int(os.environ.get(REPLICA_GROUP_ENV, "0"))
+
+
+def group_of_replica_id(replica_id: str) -> int:
+    """torchft's replica id is "<ours>:<uuid>", ours being group_<g>."""
+    match = re.match(r"group_(\d+)", replica_id)
+    assert match, replica_id
+    return int(match.group(1))
+
+
+class Single:
+    """R = 1: no quorum, every step commits, this group writes the run's files (today's path, unchanged)."""
+
+    groups = 1
+
+    def __init__(self, rank: int, world_size: int):
+        self.group, self.rank, self.world_size = 0, rank, world_size
+        self.global_rank = rank
+
+    def attach(self, model: torch.nn.Module, state_fn: Callable[[], dict], load_fn: Callable[[dict], None]) -> None:
+        pass
+
+    def resumed_at(self, step: int) -> None:
+        pass
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def should_commit(self, step: int) -> bool:
+        return True
+
+    def replicas_equal(self, model: torch.nn.Module, step: int) -> bool | None:
+        return None
+
+    def average_across_groups(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    @property
+    def participants(self) -> int:
+        return 1
+
+    @property
+    def writes_run_files(self) -> bool:
+        return True
+
+    def figures(self) -> dict[str, Any]:
+        return {}
+
+    def result(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class TorchftGroups(Single):
+    """R >= 2: this process's group, and its torchft Manager (quorum, cross-group all-reduce, heal)."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, events: EventLog, device: torch.device):
+        # torchft only with R >= 2: today's path (R = 1) imports nothing of it
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        super().__init__(rank, world_size)
+        _quiet_torchft()
+        r = cfg.resilience
+        self.groups = cfg.training.replica_groups
+        self.group = group_of_environment()
+        assert 0 <= self.group < self.groups, (self.group, self.groups)
+        self.global_rank = self.group * world_size + rank
+        self.events = events
+        self.samples_per_group_step = cfg.training.batch_size * cfg.training.grad_accum_steps * world_size
+        timeout = datetime.timedelta(seconds=r.replica_timeout_seconds)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self._state_fn: Callable[[], dict] | None = None
+        self._load_fn: Callable[[dict], None] | None = None
+        self._quorum: Any = None  # the newest quorum the lighthouse issued (torchft's Quorum)
+        self._quorum_id = -1
+        self._members: set[str] = set()  # the quorum's replica ids (a restarted group comes back with a new one)
+        self._heal_started: float | None = None
+        self._quorum_timeout, self._join_timeout = r.quorum_timeout_seconds, r.lighthouse_join_timeout_seconds
+        self._check_interval = r.replica_check_interval
+        self.skipped_samples = 0
+        self.heals = 0
+        self.on_heal: Callable[[int, int | None, float, int], None] = lambda step, donor, seconds, size: None
+        # use_async_quorum=False: a healing group applies the live state before its forward pass and takes part
+        # in that very step, instead of training one step for nothing.
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=1,
+            use_async_quorum=False, replica_id=f"group_{self.group:04d}", timeout=timeout,
+            quorum_timeout=datetime.timedelta(seconds=r.quorum_timeout_seconds),
+            connect_timeout=datetime.timedelta(seconds=r.quorum_timeout_seconds),
+            rank=rank, world_size=world_size, init_sync=False, quorum_retries=r.lighthouse_retries)
+        self.manager._client = _QuorumSpy(self.manager._client, self._saw_quorum)
+
+    # -- what torchft calls --------------------------------------------------------------------------------
+
+    def _saw_quorum(self, quorum: Any) -> None:
+        self._quorum = quorum
+        if quorum.heal:
+            self._heal_started = time.perf_counter()
+
+    def _state(self) -> dict:
+        assert self._state_fn is not None
+        return self._state_fn()
+
+    def _load(self, state: dict) -> None:
+        assert self._load_fn is not None
+        received = _tensor_bytes(state)
+        self._load_fn(state)
+        seconds = time.perf_counter() - (self._heal_started or time.perf_counter())
+        self.heals += 1
+        donor = self._donor()
+        log.warning("replica group %d healed from group %s: step %d, %.1f MB in %.2f s", self.group, donor,
+                    int(state["step"]), received / 1e6, seconds)
+        self.events.write("replica_group_heal", group=self.group, donor_group=donor, step=int(state["step"]),
+                          bytes=received, seconds=seconds, group_rank=self.rank)
+        self.on_heal(int(state["step"]), donor, seconds, received)
+
+    def _donor(self) -> int | None:
+        quorum = self._quorum
+        if quorum is None or quorum.recover_src_replica_rank is None:
+            return None
+        ids = sorted(quorum.replica_ids)  # replica ranks are given in the order of the sorted replica ids
+        return group_of_replica_id(ids[quorum.recover_src_replica_rank])
+
+    # -- the loop ------------------------------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module, state_fn: Callable[[], dict], load_fn: Callable[[dict], None]) -> None:
+        self._state_fn, self._load_fn = state_fn, load_fn
+
+        def average(gradient: torch.Tensor) -> None:  # FSDP2 calls it with each reduce-scattered gradient shard
+            self.manager.allreduce(gradient).wait()
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(average)
+
+    def resumed_at(self, step: int) -> None:
+        """The step this group resumed from its own tiers: the quorum heals every group behind the furthest."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def begin_step(self, step: int) -> None:
+        self.manager.start_quorum()
+        if self._quorum_id == -1:
+            self._wait_for_every_group(step)
+        elif self._quorum is not None and self._quorum.quorum_id < self._quorum_id:
+            self._wait_for_the_last_quorum(step)
+        quorum = self._quorum
+        if quorum is None or quorum.quorum_id == self._quorum_id:
+            return
+        ids = set(quorum.replica_ids)
+        members = sorted(group_of_replica_id(i) for i in ids)
+        joined = sorted(group_of_replica_id(i) for i in ids - self._members)
+        left = sorted(group_of_replica_id(i) for i in self._members - ids)
+        first = self._quorum_id == -1
+        self._quorum_id, self._members = quorum.quorum_id, ids
+        why = ("this group (re)started" if first else
+               "a group failed or was lost" if left and not joined else
+               "a group joined" if joined and not left else
+               "a group restarted and came back" if joined == left else "groups left and joined")
+        log.warning("replica group %d: quorum %d at step %d: groups %s take part (in %s, out %s): %s", self.group,
+                    quorum.quorum_id, step, members, joined, left, why)
+        if self.rank == 0:
+            self.events.write("quorum_changed", group=self.group, quorum_id=quorum.quorum_id, step=step,
+                              groups=members, joined=joined, left=left, why=why, participants=len(members),
+                              groups_total=self.groups)
+
+    def _wait_for_every_group(self, step: int) -> None:
+        """A process's first quorum waits for every group, up to a bound: the lighthouse forms a quorum with the
+        first group that asks, and the groups of a start come up seconds apart. A run's first step waits up to
+        resilience.quorum_timeout_seconds (every group then starts from the same step with the same weights, as
+        a clean run of this shape does); a restarted group's first quorum, up to the lighthouse's join timeout
+        (a live job's groups are all in it at once; a group lost for good never comes)."""
+        # Alone: the other groups are starting too (a run's start, a relaunch) rather than training: wait longer.
+        alone = self.manager.num_participants() <= 1
+        bound = self._quorum_timeout if step == 0 or alone else self._join_timeout
+        deadline = time.monotonic() + bound
+        if not self._ask_again_until(self.groups, bound):
+            log.warning("replica group %d: %d of %d groups in its first quorum after %.0f s: training goes on "
+                        "with them", self.group, self.manager.num_participants(), self.groups, bound)
+
+    def _wait_for_the_last_quorum(self, step: int) -> None:
+        """The lighthouse restarted (its quorum ids start again from 1) and knows no group yet: it formed a
+        quorum with the first that asked. The groups of the last quorum are alive (none left it): wait for them
+        up to the join timeout, or this step would train without them for nothing."""
+        wanted = len(self._members)
+        if self.manager.num_participants() < wanted and not self._ask_again_until(wanted, self._join_timeout):
+            log.warning("replica group %d: after the lighthouse's restart, %d of the last quorum's %d groups are "
+                        "back at step %d", self.group, self.manager.num_participants(), wanted, step)
+
+    def _ask_again_until(self, groups: int, seconds: float) -> bool:
+        """Ask for the quorum again until it holds `groups` groups (True) or `seconds` passed (False)."""
+        deadline = time.monotonic() + seconds
+        while self.manager.num_participants() < groups and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.manager.start_quorum()
+        return self.manager.num_participants() >= groups
+
+    def should_commit(self, step: int) -> bool:
+        committed = self.manager.should_commit()
+        if not committed:
+            error = self.manager.errored()
+            why = (f"{type(error.original_exception).__name__}: {str(error.original_exception).splitlines()[0]}"
+                   if error is not None else "another group's rank failed it")
+            log.warning("replica group %d: step %d discarded (%s); it is trained again", self.group, step + 1, why)
+            if self.rank == 0:
+                self.events.write("step_discarded", group=self.group, step=step + 1, why=why[:300])
+        else:
+            self.skipped_samples += (self.groups - self.participants) * self.samples_per_group_step
+        return committed
+
+    def replicas_equal(self, model: torch.nn.Module, step: int) -> bool | None:
+        """HSDP's invariant, checked every resilience.replica_check_interval steps: every group taking part holds
+        the same parameters. A float64 sum and sum of squares of this group's shards, summed over its ranks,
+        compared across groups by their max and min; None when not due or the comparison failed (a group
+        died during it). A mismatch is recorded (``replica_divergence``) and logged as an error."""
+        if not self._check_interval or step % self._check_interval or self.participants < 2:
+            return None
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        sums = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in local]).sum(0)
+        sums = sums.to(next(model.parameters()).device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        highest, lowest = sums.clone(), -sums
+        self.manager.allreduce(highest, reduce_op=ReduceOp.MAX).wait()
+        self.manager.allreduce(lowest, reduce_op=ReduceOp.MAX).wait()
+        if self.manager.errored() is not None:
+            return None
+        equal = bool(torch.equal(highest, -lowest))
+        if not equal:
+            log.error("replica group %d: the groups' parameters differ after step %d (sums %s to %s)", self.group,
+                      step, (-lowest).tolist(), highest.tolist())
+            if self.rank == 0:
+                self.events.write("replica_divergence", group=self.group, step=step, lowest=(-lowest).tolist(),
+                                  highest=highest.tolist())
+        return equal
+
+    def average_across_groups(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean over the groups taking part (the report's loss); on a failed all-reduce, this group's own."""
+        mine = value.clone()
+        self.manager.allreduce(value).wait()
+        return mine if self.manager.errored() is not None else value
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    @property
+    def writes_run_files(self) -> bool:
+        return self.manager.participating_rank() == 0
+
+    def figures(self) -> dict[str, Any]:
+        return {"replica_group": self.group, "participants": self.participants}
+
+    def result(self) -> dict[str, Any]:
+        return {"replica_groups": self.groups, "replica_group": self.group, "heals": self.heals}
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _quiet_torchft() -> None:
+    """torchft logs every quorum and commit at INFO: the run's log keeps its warnings and errors (our own records
+    say what changed); the flight recorder's reset is NCCL's only, and gloo's absence of it is no news."""
+    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
+
+
+class _QuorumSpy:
+    """torchft's ManagerClient, telling us each quorum it returns (the Manager keeps the donor and the members
+    to itself)."""
+
+    def __init__(self, client: Any, saw: Callable[[Any], None]):
+        self._client, self._saw = client, saw
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self._saw(quorum)
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def replica_groups_for(cfg: Config, rank: int, world_size: int, events: EventLog, device: torch.device) -> Single:
+    """The off switch: R = 1 is today's path, with nothing of torchft imported."""
+    if cfg.training.replica_groups == 1:
+        return Single(rank, world_size)
+    return TorchftGroups(cfg, rank, world_size, events, device)
