@@ -54,5 +54,8 @@ CRASH_LOOP_EXIT_CODE = 42
 REPLACEMENT_TIMEOUT_EXIT_CODE = 43
 # The node is not fit to train (trainer.launch.node_health): replace it.
 NODE_UNHEALTHY_EXIT_CODE = 44
+# With replica groups, what 43 becomes: a survivor of one group waited in vain for a replacement; that group
+# restarts (locally: its nodes; on EKS: each of its pods is replaced by index), the other groups train on.
+GROUP_RESTART_EXIT_CODE = 45
 # timeout(1)'s code: a start-up phase hung (trainer.resilience.phases), restarted like any worker failure.
 HANG_EXIT_CODE = 124

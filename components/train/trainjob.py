@@ -23,6 +23,7 @@ wait timed out) — distinct so a pipeline retry policy or an operator can tell 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import time
@@ -33,8 +34,10 @@ from kubernetes.client.exceptions import ApiException
 
 from components.train.local import JobCancelled, cancel_on_sigterm
 from trainer.config import Config
-from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, LAUNCHER_ENV, RENDEZVOUS_NODES_ENV
+from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, LAUNCHER_ENV, LIGHTHOUSE_ENV, RENDEZVOUS_NODES_ENV
 from trainer.launch.command import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
+from trainer.launch.lighthouse import (LIGHTHOUSE_ARGS_ENV, LIGHTHOUSE_JOB, LIGHTHOUSE_PORT, lighthouse_address_of,
+                                       lighthouse_command)
 from trainer.resilience.budget import read_gave_up
 from trainer.run.history import record_train_launch, record_train_launch_ended
 from trainer.run.lease import RunLease
@@ -103,6 +106,19 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
     if k.toleration_list:
         pod_spec["tolerations"] = k.toleration_list
     name = trainjob_name(cfg.run.run_id, attempt)
+    env = [{"name": LAUNCHER_ENV, "value": cfg.resilience.launcher},
+           {"name": GENERATION_ENV, "value": str(generation)},
+           # The restart budget counts this job's attempts (its gang restarts included), not an
+           # earlier job's of the same run folder.
+           {"name": BUDGET_SINCE_ENV, "value": repr(budget_since)},
+           {"name": "NCCL_SOCKET_IFNAME", "value": "^lo"},
+           {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}]
+    lighthouse: dict[str, Any] = {}  # the runtime's lighthouse pod: its arguments, or none (one group: it exits)
+    if cfg.training.replica_groups > 1:
+        env.append({"name": LIGHTHOUSE_ENV, "value": lighthouse_address_of(name)})
+        args = lighthouse_command(cfg, f"[::]:{LIGHTHOUSE_PORT}", binary="torchft_lighthouse")[1:]
+        lighthouse = {"name": LIGHTHOUSE_JOB, "template": {"spec": {"template": {"spec": {"containers": [
+            {"name": LIGHTHOUSE_JOB, "env": [{"name": LIGHTHOUSE_ARGS_ENV, "value": json.dumps(args)}]}]}}}}}
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
@@ -117,13 +133,7 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
                 "numNodes": cfg.training.num_nodes,
                 "numProcPerNode": cfg.training.nproc_per_node,
                 "resourcesPerNode": {"limits": dict(resources), "requests": dict(resources)} if resources else {},
-                "env": [{"name": LAUNCHER_ENV, "value": cfg.resilience.launcher},
-                        {"name": GENERATION_ENV, "value": str(generation)},
-                        # The restart budget counts this job's attempts (its gang restarts included), not an
-                        # earlier job's of the same run folder.
-                        {"name": BUDGET_SINCE_ENV, "value": repr(budget_since)},
-                        {"name": "NCCL_SOCKET_IFNAME", "value": "^lo"},
-                        {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"}],
+                "env": env,
             },
             "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
                 "replicatedJobs": [{"name": CONTAINER, "template": {"spec": {"template": {"spec": pod_spec}}}},
@@ -131,7 +141,7 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
                                    {"name": RENDEZVOUS_JOB, "template": {"spec": {"template": {"spec": {"containers": [
                                        {"name": RENDEZVOUS_JOB, "env": [{"name": RENDEZVOUS_NODES_ENV,
                                                                          "value": str(cfg.training.num_nodes)}]}]}}}}},
-                                   ]}}}}],
+                                   *([lighthouse] if lighthouse else [])]}}}}],
         },
     }
 

@@ -105,8 +105,8 @@ def test_every_pod_template_passes_the_pod_security_level_its_namespace_enforces
         level = levels.get(namespace, "baseline")
         assert violations(pod, level) == [], (name, obj["kind"], obj["metadata"]["name"])
         checked += 1
-    # the runtime's node and rendezvous pods, MLflow, fsx-prepare, and prod's warm spare
-    assert checked == (5 if name == "prod" else 4)
+    # the runtime's node, rendezvous and lighthouse pods, MLflow, fsx-prepare, and prod's warm spare
+    assert checked == (6 if name == "prod" else 5)
 
 
 def test_long_running_pods_meet_restricted_and_only_the_preparation_runs_as_root(cluster):

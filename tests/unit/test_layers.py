@@ -34,7 +34,7 @@ ROOMS = ["trainer.env", "trainer.run", "trainer.config", "trainer.planning", "tr
 # entry points at the root, so a job keeps its pod spec when its image is upgraded.
 ENTRY_POINTS = {"trainer.launcher": "trainer.launch.launcher", "trainer.rendezvous_store": "trainer.launch.rendezvous_store",
                 "trainer.node_health": "trainer.launch.node_health", "trainer.warm_start": "trainer.launch.warm_start",
-                "trainer.export": "trainer.checkpoint.export"}
+                "trainer.export": "trainer.checkpoint.export", "trainer.lighthouse": "trainer.launch.lighthouse"}
 ROOT_MODULES = {"trainer", "trainer.__main__", "trainer.env", *ENTRY_POINTS}
 FORK_SERVER = "trainer.launch.warm_start"  # its job is to import the trainer ahead of time, inside its functions
 RUN_DIR_NAMES = ["config.yaml", "result.json", "metrics.jsonl", "train.log", "summary.json", "generations.json",
@@ -291,6 +291,7 @@ def test_each_stable_entry_point_is_thin(entry):
     (["trainer.rendezvous_store", "--help"], "usage: python -m trainer.rendezvous_store"),
     (["trainer.node_health", "--help"], "usage: python -m trainer.node_health"),
     (["trainer.export", "--help"], "usage: python -m trainer.export"),
+    (["trainer.lighthouse"], "one replica group"),  # no TrainJob arguments: nothing to serve, done
 ])
 def test_each_stable_entry_point_starts(command, expected):
     done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -187,3 +187,62 @@ def test_a_local_rendezvous_store_goes_with_the_runner_that_started_it():
     runner.wait()
     gone, alive = psutil.wait_procs([store], timeout=10)
     assert not alive
+
+
+def _first_matching_rule(policy: dict, exit_code: int) -> dict | None:
+    """The Job controller's podFailurePolicy for a pod whose container `node` exited with this code: rules in
+    order, the first whose onExitCodes matches acts (Kubernetes API, batch/v1 PodFailurePolicyRule); none: the
+    failure counts against the index's backoffLimitPerIndex and the pod is recreated with the same index."""
+    for rule in policy["rules"]:
+        codes = rule.get("onExitCodes")
+        if codes and codes["containerName"] == "node" and (
+                (exit_code in codes["values"]) == (codes["operator"] == "In")):
+            return rule
+    return None
+
+
+def test_a_groups_missing_replacement_restarts_that_group_only():
+    """With replica groups a survivor's rendezvous timeout is the group's, not the job's: 45 (not 43). Locally the
+    runner restarts that group's nodes; on EKS no FailJob rule matches 45, so each of the group's pods is recreated
+    by index and the JobSet, which acts only on a failed Job, leaves the other groups' pods running."""
+    from trainer.env import GROUP_RESTART_EXIT_CODE
+
+    assert verdict(GROUP_RESTART_EXIT_CODE) is Verdict.RESTART_GROUP
+    assert _first_matching_rule(pod_failure_policy(), GROUP_RESTART_EXIT_CODE) is None
+    assert _first_matching_rule(pod_failure_policy(), REPLACEMENT_TIMEOUT_EXIT_CODE)["action"] == "FailJob"
+
+
+def test_a_trainjob_pod_finds_its_group_and_its_rank_in_it():
+    from trainer.launch.groups import join_replica_group
+
+    args = ["--rdzv-backend=c10d", "--rdzv-id=rt-x-a0", "--nnodes=4", "--nproc-per-node=8"]
+    env, rewritten = join_replica_group({"PET_NODE_RANK": "5", "PET_NNODES": "8"}, args, groups=2)
+    assert env == {"RESILIENT_TRAIN_REPLICA_GROUP": "1", "RESILIENT_TRAIN_NODE_INDEX": "5", "PET_NODE_RANK": "1",
+                   "PET_NNODES": "4"}
+    assert "--rdzv-id=rt-x-a0-group-1" in rewritten and "--nnodes=4" in rewritten
+    assert join_replica_group({"PET_NODE_RANK": "5", "PET_NNODES": "8"}, args, groups=1) == ({}, args)
+    placed = {"PET_NODE_RANK": "0", "PET_NNODES": "1", "RESILIENT_TRAIN_REPLICA_GROUP": "1"}  # the local runner's
+    assert join_replica_group(placed, args, groups=2) == ({}, args)
+    with pytest.raises(ValueError, match="do not split into 3 replica groups"):
+        join_replica_group({"PET_NODE_RANK": "0", "PET_NNODES": "8"}, args, groups=3)
+
+
+def test_the_runtime_serves_the_lighthouse_to_the_trainers_only():
+    from trainer.launch.lighthouse import LIGHTHOUSE_JOB, LIGHTHOUSE_PORT
+
+    runtime = yaml.safe_load((MANIFESTS / "base" / "trainer" / "clustertrainingruntime.yaml").read_text())
+    spec = runtime["spec"]["template"]["spec"]
+    [job] = [j for j in spec["replicatedJobs"] if j["name"] == LIGHTHOUSE_JOB]
+    pod = job["template"]["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    assert container["command"] == ["python", "-m", "trainer.lighthouse"]
+    assert container["ports"] == [{"name": "lighthouse", "containerPort": LIGHTHOUSE_PORT}]
+    assert spec["successPolicy"]["targetReplicatedJobs"] == ["node"]  # done when the nodes are, not the lighthouse
+    policy = yaml.safe_load((MANIFESTS / "base" / "trainer" / "lighthouse-networkpolicy.yaml").read_text())
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": pod["metadata"]["labels"][
+        "app.kubernetes.io/name"]}
+    [rule] = policy["spec"]["ingress"]
+    [node] = [j for j in spec["replicatedJobs"] if j["name"] == "node"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": node["template"]["spec"][
+        "template"]["metadata"]["labels"]["app.kubernetes.io/name"]}}}]
+    assert rule["ports"] == [{"port": LIGHTHOUSE_PORT, "protocol": "TCP"}]

@@ -218,3 +218,28 @@ def test_job_state_mapping():
     assert job_state({"status": {"conditions": [{"type": "Failed", "status": "True"}]}}) == "Failed"
     assert job_state({"spec": {"suspend": True}}) == "Suspended"
     assert job_state({"status": {"conditions": [{"type": "Complete", "status": "False"}]}}) == "Running"
+
+
+def test_a_job_in_replica_groups_gets_its_lighthouse_and_each_node_its_group(tmp_path):
+    """R >= 2: every node knows the lighthouse (the runtime's `lighthouse` pod, through the JobSet's headless
+    Service) and splits its index into a group (--replica-groups); the lighthouse pod gets its arguments from the
+    config through a runtime patch (a container's env may be patched on any replicated job but the trainer's)."""
+    cfg = load_config(EKS, ["--run.run_id=groups", f"--data.fsx_root={tmp_path}", "--training.replica_groups=2",
+                            "--resilience.lighthouse_join_timeout_seconds=10"])
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    assert crd_errors(job) == []
+    name = job["metadata"]["name"]
+    env = {e["name"]: e["value"] for e in job["spec"]["trainer"]["env"]}
+    assert env["TORCHFT_LIGHTHOUSE"] == f"http://{name}-lighthouse-0-0.{name}:29510"
+    assert "--replica-groups=2" in job["spec"]["trainer"]["command"]
+    jobs = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    [lighthouse] = [j for j in jobs if j["name"] == "lighthouse"]
+    [container] = lighthouse["template"]["spec"]["template"]["spec"]["containers"]
+    args = json.loads({e["name"]: e["value"] for e in container["env"]}["RESILIENT_TRAIN_LIGHTHOUSE_ARGS"])
+    assert args[args.index("--join_timeout_ms") + 1] == "10000" and args[args.index("--bind") + 1] == "[::]:29510"
+    assert args[args.index("--min_replicas") + 1] == "1"
+    # one group: no lighthouse arguments (its pod exits at once) and no group option
+    single = build_trainjob(load_config(EKS, ["--run.run_id=one", f"--data.fsx_root={tmp_path}"]), "/fsx/datasets/v1")
+    assert not any(j["name"] == "lighthouse" for j in
+                   single["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"])
+    assert not any(a.startswith("--replica-groups") for a in single["spec"]["trainer"]["command"])

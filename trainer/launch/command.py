@@ -129,6 +129,8 @@ def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, 
                if ckpt.enabled and ckpt.memory_interval_steps else [])
     options += ["--fork-server"] if r.warm_start else []
     options.append(f"--run-dir={cfg.run_dir}")  # system metrics, and a stop when the restart budget gives up
+    if cfg.training.replica_groups > 1:  # each node joins its group's world (trainer.launch.groups)
+        options.append(f"--replica-groups={cfg.training.replica_groups}")
     if job_name is not None and cfg.kubernetes.gpus_per_node:  # a TrainJob's node joins only when healthy
         options.append(f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}")
     # ft_launcher rejects --nproc-per-node=auto: always explicit.

@@ -44,10 +44,10 @@ from pathlib import Path
 import psutil
 
 from trainer.checkpoint.node_folders import owner_name, remove_dead_owners
-from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, NODE_INDEX_ENV, NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV,
-                         NODE_STORE_ENV,
-                         NODE_TOKEN_ENV, NODE_UNHEALTHY_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE, WARM_START_ENV,
-                         WARM_START_PID_ENV)
+from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, GROUP_RESTART_EXIT_CODE, NODE_INDEX_ENV,
+                         NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV, NODE_UNHEALTHY_EXIT_CODE,
+                         REPLACEMENT_TIMEOUT_EXIT_CODE, REPLICA_GROUP_ENV, WARM_START_ENV, WARM_START_PID_ENV)
+from trainer.launch.groups import REPLICA_GROUPS_OPTION, join_replica_group
 from trainer.launch.node_health import node_problems
 from trainer.launch.parent_watch import forked_children_die_with_this_process, watch_parent
 from trainer.launch.rendezvous_store import report_finished
@@ -64,7 +64,7 @@ FORK_SERVER_OPTION = "--fork-server"
 RUN_DIR_OPTION = "--run-dir="
 CHECK_NODE_OPTION = "--check-node="
 USAGE = (f"usage: python -m trainer.launcher [{NODE_STORE_OPTION}DIR] [{FORK_SERVER_OPTION}] [{RUN_DIR_OPTION}DIR] "
-         f"[{CHECK_NODE_OPTION}GPUS,EFA] {{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
+         f"[{CHECK_NODE_OPTION}GPUS,EFA] [{REPLICA_GROUPS_OPTION}R] {{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
 SYSTEM_METRICS_SECONDS = 10.0
 
 
@@ -116,6 +116,9 @@ class GiveUpWatch:
     def matches(self, record: dict | None) -> bool:
         if record is None:
             return False
+        group = os.environ.get(REPLICA_GROUP_ENV)
+        if record.get("group") != (int(group) if group else None):  # another replica group's give-up
+            return False
         if self.generation is not None:
             return record.get("generation") == self.generation
         return record.get("time", 0) >= self.started
@@ -155,6 +158,8 @@ def parse_options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
             options["run_dir"] = arg[len(RUN_DIR_OPTION):]
         elif arg.startswith(CHECK_NODE_OPTION):
             options["check_node"] = arg[len(CHECK_NODE_OPTION):]
+        elif arg.startswith(REPLICA_GROUPS_OPTION):
+            options["replica_groups"] = arg[len(REPLICA_GROUPS_OPTION):]
         else:
             sys.exit(f"{USAGE}\nunknown option {arg!r}")
     if not argv or argv[0] not in LAUNCHERS:
@@ -183,6 +188,13 @@ def external_store(args: list[str]) -> str | None:
 
 def main(argv: list[str]) -> None:
     options, argv = parse_options(argv)
+    groups = int(options.get("replica_groups") or 1)
+    try:  # a TrainJob's pod: its replica group's own world (trainer.launch.groups), before anything reads it
+        group_env, launcher_args = join_replica_group(dict(os.environ), argv[1:], groups)
+    except ValueError as err:
+        sys.exit(f"trainer.launcher: {err}")
+    os.environ.update(group_env)
+    argv = [argv[0], *launcher_args]
     watch_parent()
     forked_children_die_with_this_process()
     os.environ.update({NODE_LAUNCHER_PID_ENV: str(os.getpid()), NODE_TOKEN_ENV: uuid.uuid4().hex,
@@ -227,11 +239,13 @@ def main(argv: list[str]) -> None:
         if give_up is not None:
             give_up.stop()
         if is_rendezvous_timeout(err) and not (give_up is not None and give_up.matches(read_gave_up(run_dir))):
+            # With replica groups only this node's group waited: that group restarts, the others train on.
+            code, scope = ((GROUP_RESTART_EXIT_CODE, f"replica group {os.environ.get(REPLICA_GROUP_ENV)} restarts")
+                           if groups > 1 else (REPLACEMENT_TIMEOUT_EXIT_CODE, "the whole job restarts"))
             print(f"trainer.launcher: node {os.environ.get(NODE_RANK_ENV, '?')}: the rendezvous timed out waiting for "
                   "every node (its join_timeout: resilience.replacement_timeout_seconds); a lost node's replacement "
-                  f"did not come in time: the whole job restarts (exit code {REPLACEMENT_TIMEOUT_EXIT_CODE})",
-                  file=sys.stderr, flush=True)
-            sys.exit(REPLACEMENT_TIMEOUT_EXIT_CODE)
+                  f"did not come in time: {scope} (exit code {code})", file=sys.stderr, flush=True)
+            sys.exit(code)
         if give_up is None or not give_up.matches(read_gave_up(run_dir)):
             raise
     finally:

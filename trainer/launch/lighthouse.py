@@ -10,6 +10,8 @@ groups' heartbeats, and the managers retry their quorum request meanwhile (resil
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -44,3 +46,23 @@ def lighthouse_command(cfg: Config, bind: str, binary: str | None = None) -> lis
 def lighthouse_address_of(job_name: str) -> str:
     """The TrainJob's lighthouse pod, as JobSet names and serves it (see rendezvous_endpoint_of)."""
     return f"http://{job_name}-{LIGHTHOUSE_JOB}-0-0.{job_name}:{LIGHTHOUSE_PORT}"
+
+
+LIGHTHOUSE_ARGS_ENV = "RESILIENT_TRAIN_LIGHTHOUSE_ARGS"  # the TrainJob's patch of the lighthouse container
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The runtime's `lighthouse` pod: torchft's lighthouse with the arguments the TrainJob put in its
+    environment (lighthouse_command's, JSON), or done at once when the job has one replica group."""
+    raw = os.environ.get(LIGHTHOUSE_ARGS_ENV, "")
+    if not raw:
+        print("trainer.lighthouse: this job has one replica group (no lighthouse arguments): nothing to serve",
+              flush=True)
+        return 0
+    args = json.loads(raw)
+    if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+        print(f"trainer.lighthouse: {LIGHTHOUSE_ARGS_ENV} must be a JSON list of strings, got {raw!r}", file=sys.stderr)
+        return 2
+    binary = lighthouse_binary()
+    os.execv(binary, [binary, *args])
+    return 1  # not reached

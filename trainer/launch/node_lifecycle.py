@@ -11,6 +11,8 @@ exit code             verdict        locally (components/train/nodes.py)  /  on 
 0                     finished       the node is done                     /  the index succeeds
 42 (crash loop)       fail the job   CrashLoop, never relaunched           /  FailJob -> JobSet FailJobSet
 43 (no replacement)   restart job    every node stopped, job relaunched    /  FailJob -> JobSet RestartJobSet
+45 (no replacement,   restart group  the group's nodes stopped, restarted  /  the index's pod is recreated (no
+    replica groups)                                                           rule matches; each survivor's)
 anything else         replace node   a new node after the delay            /  the index's pod is recreated
 ====================  =============  =====================================================================
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import enum
 
-from trainer.env import CRASH_LOOP_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
+from trainer.env import CRASH_LOOP_EXIT_CODE, GROUP_RESTART_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
 
 CONTAINER_NAME = "node"  # the TrainJob's trainer container (Kubeflow Trainer's torch runtime)
 
@@ -32,6 +34,7 @@ class Verdict(enum.Enum):
     FINISHED = "finished"
     FAIL_JOB = "fail the job"
     RESTART_JOB = "restart the whole job"
+    RESTART_GROUP = "restart the node's replica group"
     REPLACE_NODE = "replace the node"
 
 
@@ -43,6 +46,8 @@ def verdict(returncode: int) -> Verdict:
         return Verdict.FAIL_JOB
     if returncode == REPLACEMENT_TIMEOUT_EXIT_CODE:
         return Verdict.RESTART_JOB
+    if returncode == GROUP_RESTART_EXIT_CODE:
+        return Verdict.RESTART_GROUP
     return Verdict.REPLACE_NODE
 
 
