@@ -33,8 +33,8 @@ from pathlib import Path
 
 import psutil
 
-from components.train.processes import (LaunchOutput, TrainingError, TrainingTimeout, job_processes, launch_env,
-                                        raise_for_exit)
+from components.train.processes import (CrashLoop, LaunchOutput, TrainingError, TrainingTimeout, job_processes,
+                                        launch_env, raise_for_exit)
 from trainer.config import Config
 from trainer.config.drills import parse_schedule
 from trainer.env import (JOB_TOKEN_ENV, LIGHTHOUSE_ENV, NODE_INDEX_ENV, NODE_RANK_ENV, NODE_REPLACEMENT_ENV,
@@ -172,15 +172,17 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                         f"(launcher pid {proc.pid})")
             return Node(index, group, proc, output.follow(proc.stdout, f"[node-{index}] "), time.monotonic())
 
-        def drop_group(group: int, why: str) -> None:
-            """A group that cannot come back: the job goes on without it while enough groups are left."""
+        def drop_group(group: int, why: str, crash_loop: bool = False) -> None:
+            """A group that cannot come back: the job goes on without it while enough groups are left. Too few
+            left: a crash loop fails the job as with one group (CrashLoop: never relaunched); a group lost for
+            good restarts it (the relaunch brings every group back from the tiers)."""
             members = set(range(group * per_group, (group + 1) * per_group))
             left = groups - len(gone) // per_group - 1
             if left < min_groups:
                 message = (f"replica group {group} is lost ({why}) and {left} group(s) are left, fewer than "
                            f"resilience.min_replica_groups={min_groups}: the job stops")
                 output.note(message, logging.ERROR)
-                raise TrainingError(f"{message}; log: {run_dir.train_log}")
+                raise (CrashLoop if crash_loop else TrainingError)(f"{message}; log: {run_dir.train_log}")
             output.note(f"replica group {group} is lost for good ({why}): {left} group(s) train on",
                         logging.WARNING)
             gone.update(members)
@@ -218,14 +220,14 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                             finished.add(pending)
                     elif outcome is Verdict.FAIL_JOB and groups > 1:  # this group's restart budget gave up
                         drop_group(node.group, f"node {index} exited with {_exit_text(returncode)}: its restart "
-                                   "budget gave up")
+                                   "budget gave up", crash_loop=True)
                     elif outcome is Verdict.FAIL_JOB:
                         raise_for_exit(cfg, returncode, generation, output, what=f"node {index}")
                     elif finished:  # training is over (another node finished it): nothing to replace
                         output.note(f"node {index} exited with {_exit_text(returncode)} after node(s) "
                                     f"{sorted(finished)} finished training", logging.WARNING)
                         finished.add(index)
-                    elif outcome is Verdict.RESTART_JOB and groups > 1:
+                    elif outcome in (Verdict.RESTART_JOB, Verdict.RESTART_GROUP) and groups > 1:
                         output.note(f"node {index} waited resilience.replacement_timeout_seconds for a node of "
                                     f"replica group {node.group} in vain: that group restarts, the others train on",
                                     logging.WARNING)

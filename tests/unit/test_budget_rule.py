@@ -166,3 +166,52 @@ def test_started_by_hand_a_give_up_refuses_the_workers_its_launcher_restarts(tmp
     assert len(attempt_history(tmp_path, 0.0)) == 4
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "by-hand-again")  # a new invocation after a fix: a full budget
     _budget(tmp_path, generation=6, own_generation=True).start()
+
+
+def test_each_replica_group_spends_its_own_budget(tmp_path, monkeypatch):
+    """Replica groups restart on their own, so their attempts interleave in the shared control records: a crash
+    loop in group 1 (dying before its first step again and again) gives group 1 up — its launchers' give-up, not group 0's —
+    while group 0, restarting with progress in between, keeps its budget. Without the group's window the two
+    groups' attempts would reset each other's streak (a different launch scope each time) and no crash loop
+    would ever end."""
+    monkeypatch.setenv("RESILIENT_TRAIN_BUDGET_SINCE", "0")
+
+    def attempt(group: int, resumed: int, trained: bool) -> RestartBudget:
+        monkeypatch.setenv("RESILIENT_TRAIN_REPLICA_GROUP", str(group))
+        budget = _budget(tmp_path)
+        budget.start()
+        EventLog(tmp_path, group * 2).write("resume", step=resumed, source="memory", path=None)
+        if trained:  # a restart's first step done: its recovery record
+            EventLog(tmp_path, group * 2).write("recovery", mechanism="ft_launcher", fault_keys=[])
+        return budget
+
+    attempt(0, 0, trained=True)
+    attempt(1, 0, trained=True)
+    # Group 0 restarts and trains; group 1 restarts from a newer copy each time (the live group saved it) and
+    # dies before its first step: no progress, however far its resume moved.
+    for group_0_step, group_1_resume in ((10, 8), (20, 16)):
+        attempt(0, group_0_step, trained=True).check(group_0_step)
+        attempt(1, group_1_resume, trained=False)
+    monkeypatch.setenv("RESILIENT_TRAIN_REPLICA_GROUP", "1")
+    with pytest.raises(RestartBudgetExhausted):  # two recoveries died untrained: refused before heavy work
+        _budget(tmp_path).start()
+    record = json.loads((tmp_path / "gave_up.json").read_text())
+    assert record["group"] == 1 and "2 recoveries in a row made no progress" in record["message"]
+    monkeypatch.setenv("RESILIENT_TRAIN_REPLICA_GROUP", "0")
+    _budget(tmp_path).start()  # group 0's next restart is not refused by group 1's give-up
+    with pytest.raises(RestartBudgetExhausted):  # group 1's is
+        monkeypatch.setenv("RESILIENT_TRAIN_REPLICA_GROUP", "1")
+        _budget(tmp_path).start()
+    state = control_state(tmp_path)
+    assert [a["resumed_step"] for a in state.window(0)["attempts"]][-1] is None  # group 0's newest, running
+    assert state.window(None)["attempts"] == []  # no record without a group
+
+
+def test_a_launcher_stops_on_its_own_groups_give_up_only(tmp_path, monkeypatch):
+    from trainer.launch.launcher import GiveUpWatch
+
+    watch = GiveUpWatch(tmp_path, generation=3)
+    monkeypatch.setenv("RESILIENT_TRAIN_REPLICA_GROUP", "0")
+    assert not watch.matches({"generation": 3, "group": 1}) and watch.matches({"generation": 3, "group": 0})
+    monkeypatch.delenv("RESILIENT_TRAIN_REPLICA_GROUP")
+    assert watch.matches({"generation": 3}) and not watch.matches({"generation": 2})

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV, RESTART_COUNT_ENV,
-                         TORCHELASTIC_RUN_ID_ENV)
+from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV, REPLICA_GROUP_ENV,
+                         RESTART_COUNT_ENV, TORCHELASTIC_RUN_ID_ENV)
 from trainer.run.events import EventLog
 from trainer.run.history import ControlState, whole_history
 from trainer.run.run_dir import RunDir, read_json, write_json
@@ -70,6 +70,7 @@ class Attempt:
     resumed_step: int | None  # None: it died before it resumed
     fault: dict[str, Any] | None  # the last fault recorded during it
     escalated: bool = False  # it handed over to ft_launcher (in-process stopped progressing): not a try of its own
+    trained: bool = False  # a restart that trained a step (its recovery record): what progress is for a group
 
 
 def restart_layer(in_process_iteration: int, restart_iteration: int, job_attempt: int, launcher: str) -> str:
@@ -114,14 +115,21 @@ def launch_scope() -> str:
     """The launch whose attempts share one budget: the pipeline's train step (every relaunch and, on EKS,
     every gang restart of its TrainJob carry BUDGET_SINCE_ENV), else one torchrun or ft_launcher invocation
     (TORCHELASTIC_RUN_ID: its restarts count, a new invocation starts afresh), else this process."""
+    group = f"/group-{os.environ[REPLICA_GROUP_ENV]}" if os.environ.get(REPLICA_GROUP_ENV) else ""
     if os.environ.get(BUDGET_SINCE_ENV):
-        return f"step:{os.environ[BUDGET_SINCE_ENV]}"
-    return os.environ.get(TORCHELASTIC_RUN_ID_ENV) or f"process:{os.getpid()}"
+        return f"step:{os.environ[BUDGET_SINCE_ENV]}{group}"
+    return (os.environ.get(TORCHELASTIC_RUN_ID_ENV) or f"process:{os.getpid()}") + group
 
 
-def attempts_of(history: ControlState) -> list[Attempt]:
-    """The folded attempts (trainer.run.history) as Attempts, oldest first."""
-    return [Attempt(a["started"], a["layer"], a["resumed_step"], a["fault"], a["escalated"]) for a in history.attempts]
+def budget_group() -> int | None:
+    """This process's replica group, whose own budget it spends (None: the job has one group)."""
+    return int(os.environ[REPLICA_GROUP_ENV]) if os.environ.get(REPLICA_GROUP_ENV) else None
+
+
+def attempts_of(history: ControlState, group: int | None = None) -> list[Attempt]:
+    """The folded attempts (trainer.run.history) as Attempts, oldest first: the job's, or a replica group's."""
+    return [Attempt(a["started"], a["layer"], a["resumed_step"], a["fault"], a["escalated"], a.get("trained", False))
+            for a in history.window(group)["attempts"]]
 
 
 def attempt_history(run_dir: Path, since: float, scope: str | None = None) -> list[Attempt]:
@@ -187,7 +195,7 @@ class RestartBudget:
     def start(self) -> None:
         """Record this attempt, then stop before any heavy work if the history already says so."""
         gave_up = read_gave_up(self.run_dir.path)
-        if gave_up is not None and (
+        if gave_up is not None and gave_up.get("group") == budget_group() and (
                 (self.generation is not None and gave_up.get("generation") == self.generation)
                 or (self.own_generation and gave_up.get("scope") == launch_scope())):
             # This launch gave up already; ft_launcher restarted us before trainer.launcher stopped it.
@@ -217,15 +225,20 @@ class RestartBudget:
     def _verdict(self, resumed_step: int | None) -> tuple[str, str] | None:
         # The window of this launch scope since the last give-up, trimmed to what a streak can reach; its
         # newest attempt is this one.
-        attempts = attempts_of(self.history) if self.history.scope == launch_scope() else []
+        # With replica groups, this group's window: a crash loop in one group gives that group up, not the job.
+        window = self.history.window(budget_group())
+        attempts = attempts_of(self.history, budget_group()) if window["scope"] == launch_scope() else []
         ended = [a for a in attempts[:-1] if not a.escalated]
-        streak = no_progress_streak([a.resumed_step for a in ended], resumed_step)
+        # A replica group resumes from a newer copy at every restart (the live groups save and heal it): its
+        # recovery progressed only when it trained a step; one that died before its first step made none.
+        steps = [a.resumed_step if budget_group() is None or a.trained else None for a in ended]
+        streak = no_progress_streak(steps, resumed_step)
         if streak >= self.limit:
-            last_fault = next((a.fault for a in reversed(ended) if a.fault), self.history.last_fault)
+            last_fault = next((a.fault for a in reversed(ended) if a.fault), window["last_fault"])
             message = give_up_message(ended, resumed_step, streak, self.limit, self.layer, self.run_dir.train_log,
                                       last_fault)
             record = {"time": time.time(), "generation": self.generation, "scope": launch_scope(),
-                      "layer": self.layer, "streak": streak,
+                      "group": budget_group(), "layer": self.layer, "streak": streak,
                       "limit": self.limit, "step": resumed_step, "message": message, "last_fault": last_fault}
             write_json(self.run_dir.gave_up, record)
             self._record("gave_up", **{k: v for k, v in record.items() if k != "time"})

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.env import GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, RESTART_COUNT_ENV
+from trainer.env import GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, REPLICA_GROUP_ENV, RESTART_COUNT_ENV
 from trainer.run.legacy import ensure_current_format, legacy_records
 from trainer.run.run_dir import RunDir, read_jsonl
 
@@ -62,6 +62,8 @@ class EventLog:
         self.run_dir = RunDir(run_dir)
         self.rank = rank
         self.group_rank = rank if group_rank is None else group_rank
+        # With replica groups every record says whose it is: each group's restart budget counts its own attempts.
+        self.group = int(os.environ[REPLICA_GROUP_ENV]) if os.environ.get(REPLICA_GROUP_ENV) else None
         self.fence = fence
         self.run_dir.events.mkdir(parents=True, exist_ok=True)
 
@@ -72,7 +74,8 @@ class EventLog:
         assert path != self.run_dir.periodic_log or self.group_rank in (0, None), \
             f"{event}: rank 0 writes periodic records"
         ensure_current_format(self.run_dir.path)  # an earlier release's events are migrated before anything new
-        record = {"event": event, "rank": self.rank, "time": time.time(), "attempt": current_attempt(), **fields}
+        record = {"event": event, "rank": self.rank, "time": time.time(), "attempt": current_attempt(),
+                  **({"group": self.group} if self.group is not None else {}), **fields}
         append_record(path, record)
         return record
 

@@ -15,7 +15,8 @@ however long the run and however many faults:
   the end of control.jsonl by whoever shows them (``recent_recoveries``), never by a start;
 - where in failures.jsonl the next restart's explanation starts (trainer.resilience.failures);
 - the restart budget's window (trainer.resilience.budget): the attempts of the newest launch scope, trimmed
-  to those a no-progress streak can still reach, and its last fault;
+  to those a no-progress streak can still reach, and its last fault — with replica groups, one such window per
+  group (records carry their group; a group's budget counts its own attempts);
 - the train step's launches (a continuation's wall time is theirs, not the gaps between them), the first process
   start, each straggling rank's summary.
 """
@@ -65,6 +66,8 @@ class ControlState:
     scope: str | None = None  # the restart budget's launch scope (trainer.resilience.budget.launch_scope)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # the scope's window, oldest first
     last_fault: dict[str, Any] | None = None  # the newest drill fault of the scope
+    # replica groups: group -> {"scope", "attempts", "last_fault"}, each group's window as the three fields above
+    group_windows: dict[str, dict[str, Any]] = field(default_factory=dict)
     train_launches: list[dict[str, Any]] = field(default_factory=list)  # the train step's: started_at, finished_at
     stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)  # rank -> first report, streaks, lowest
     last_time: float = 0.0  # the newest record folded in
@@ -78,27 +81,24 @@ class ControlState:
             self._apply(record, whole)
         return self
 
+    def window(self, group: int | None = None) -> dict[str, Any]:
+        """The restart budget's window ({"scope", "attempts", "last_fault"}): the job's, or a replica group's."""
+        if group is None:
+            return {"scope": self.scope, "attempts": self.attempts, "last_fault": self.last_fault}
+        return self.group_windows.get(str(group), {"scope": None, "attempts": [], "last_fault": None})
+
     def _apply(self, record: dict[str, Any], whole: bool) -> None:
         kind, now = record.get("event"), record.get("time", 0.0)
         self.last_time = max(self.last_time, now)
+        if kind in ("attempt", "resume", "escalated", "fault", "gave_up", "recovery"):
+            window = self.window(record.get("group"))
+            self._apply_to_window(window, record, whole)
+            if record.get("group") is None:
+                self.scope, self.attempts, self.last_fault = window["scope"], window["attempts"], window["last_fault"]
+            else:
+                self.group_windows[str(record["group"])] = window
         if kind == "attempt":
             self.attempts_total += 1
-            if record.get("scope") != self.scope and not whole:
-                self.attempts, self.last_fault = [], None
-            self.scope = record.get("scope")
-            self.attempts.append({"started": now, "layer": record["layer"], "scope": self.scope,
-                                  "resumed_step": None, "fault": None, "escalated": False})
-            self._trim(whole)  # the attempt before it has ended: it counts now
-        elif kind == "resume":
-            attempt = self._attempt_at(now)
-            if attempt is not None and attempt["resumed_step"] is None:
-                attempt["resumed_step"] = record["step"]
-                self._trim(whole)
-        elif kind == "escalated":
-            attempt = self._attempt_at(now)
-            if attempt is not None:
-                attempt["escalated"] = True
-                self._trim(whole)
         elif kind == "fault":
             self._fault(record)
         elif kind in ("fault_absorbed", "checkpoint_failed"):
@@ -111,9 +111,6 @@ class ControlState:
                 self.first_process_started_at = min(started, self.first_process_started_at or started)
         elif kind == "checkpoint_interval_chosen":
             self.interval_chosen = record
-        elif kind == "gave_up":  # a new launch after a give-up starts with a full budget (gave_up.json: the record)
-            if not whole:
-                self.attempts, self.last_fault = [], None
         elif kind == "straggler":
             self._straggler(record)
         elif kind == "train_launch":
@@ -123,9 +120,45 @@ class ControlState:
                 if launch["started_at"] == record["started_at"]:
                     launch.update(finished_at=record["finished_at"], estimated=record.get("estimated", False))
 
-    def _attempt_at(self, when: float) -> dict[str, Any] | None:
+    def _apply_to_window(self, window: dict[str, Any], record: dict[str, Any], whole: bool) -> None:
+        """A record of the budget's (an attempt, its resume, an escalation, a fault, a give-up) in its window."""
+        kind, now = record["event"], record.get("time", 0.0)
+        if kind == "attempt":
+            if record.get("scope") != window["scope"] and not whole:
+                window["attempts"], window["last_fault"] = [], None
+            window["scope"] = record.get("scope")
+            window["attempts"] = [*window["attempts"], {"started": now, "layer": record["layer"],
+                                                        "scope": window["scope"], "resumed_step": None, "fault": None,
+                                                        "escalated": False,
+                                                        **({"group": record["group"]} if "group" in record else {})}]
+            self._trim(window, whole)  # the attempt before it has ended: it counts now
+        elif kind == "resume":
+            attempt = self._attempt_at(window, now)
+            if attempt is not None and attempt["resumed_step"] is None:
+                attempt["resumed_step"] = record["step"]
+                self._trim(window, whole)
+        elif kind == "escalated":
+            attempt = self._attempt_at(window, now)
+            if attempt is not None:
+                attempt["escalated"] = True
+                self._trim(window, whole)
+        elif kind == "fault":
+            attempt = self._attempt_at(window, record["time"])
+            if attempt is not None:
+                attempt["fault"] = record  # the last fault during it
+            if window["last_fault"] is None or record["time"] >= window["last_fault"]["time"]:
+                window["last_fault"] = record
+        elif kind == "gave_up" and not whole:  # a new launch after a give-up starts with a full budget
+            window["attempts"], window["last_fault"] = [], None
+        elif kind == "recovery":  # written after the restart's first step: it trained
+            attempt = self._attempt_at(window, now)
+            if attempt is not None:
+                attempt["trained"] = True
+
+    @staticmethod
+    def _attempt_at(window: dict[str, Any], when: float) -> dict[str, Any] | None:
         """The attempt a record of this time belongs to: the newest one started at or before it."""
-        return next((a for a in reversed(self.attempts) if a["started"] <= when), None)
+        return next((a for a in reversed(window["attempts"]) if a["started"] <= when), None)
 
     def _fault(self, record: dict[str, Any]) -> None:
         if record["key"] not in self.fired_fault_keys:
@@ -133,11 +166,6 @@ class ControlState:
         self.unhandled_faults.append(record)
         if record.get("fault_type") == "straggler":
             self.straggling.append([record["rank"], record.get("launcher_pid")])
-        attempt = self._attempt_at(record["time"])
-        if attempt is not None:
-            attempt["fault"] = record  # the last fault during it
-        if self.last_fault is None or record["time"] >= self.last_fault["time"]:
-            self.last_fault = record
 
     def _handled(self, record: dict[str, Any]) -> None:
         handled = handled_keys(record)
@@ -164,7 +192,7 @@ class ControlState:
         if record["score"] < known["score"]:
             known.update(score=record["score"], section=record.get("section"))
 
-    def _trim(self, whole: bool) -> None:
+    def _trim(self, window: dict[str, Any], whole: bool) -> None:
         """Drop the attempts a no-progress streak can no longer reach: the streak walks back from the newest ended
         attempt and stops at one whose nearest later known resume is past its own (trainer.resilience.budget.
         no_progress_streak), so everything before such an attempt is dead history. It stays as the new first
@@ -173,14 +201,18 @@ class ControlState:
             return
         # The newest attempt is the one running (it may still escalate and drop out of the count): only the
         # ended ones decide, as in the budget's own walk (trainer.resilience.budget, `ended`).
-        counted = [a for a in self.attempts[:-1] if not a["escalated"]]
+        attempts = window["attempts"]
+        counted = [a for a in attempts[:-1] if not a["escalated"]]
+        grouped = window is not None and any("group" in a for a in attempts)
         later = None
         for attempt in reversed(counted[1:]):
-            step = attempt["resumed_step"]
+            # as the budget counts it: a replica group's restart progressed only if it trained (trainer.resilience.
+            # budget, `steps`)
+            step = attempt["resumed_step"] if not grouped or attempt.get("trained") else None
             if step is None:
                 continue
             if later is not None and later > step:
-                self.attempts = self.attempts[self.attempts.index(attempt):]
+                window["attempts"] = attempts[attempts.index(attempt):]
                 return
             later = step
 
