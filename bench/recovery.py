@@ -30,6 +30,19 @@ memory; docs/node-loss.md):
   platform, not of finding a machine), node 0 keeps running; state from node 0's memory and the replica.
 ``fsx_bytes_read`` is what the recoveries read from checkpoint folders (every rank's, the recovery record's).
 
+Replica groups (issue 33; training.num_nodes=2 x nproc_per_node=2, the node-memory tier every step, the same
+SIGKILL of rank 3 — node 1's second rank — in both):
+- in_job_restart: one FSDP group of 4 ranks (training.replica_groups=1): ft_launcher restarts every worker;
+- replica_group_heal: 2 replica groups of 2 ranks (HSDP, torchft): group 1 restarts and heals from group 0,
+  which trains on alone meanwhile.
+Keys: ``rank_seconds_lost`` (ranks x seconds not training: every rank's downtime for the in-job restart; the
+failed group's ranks until their first step after the heal, plus the survivors' stall, for the heal),
+``survivor_stall_seconds`` (the survivors' step-to-step gaps over a normal step, from the fault to the step
+after the heal), ``heal_seconds`` and ``heal_bytes`` (the heal's transfer, slowest rank / every rank's).
+
+    .venv/bin/python bench/recovery.py --mechanisms in_job_restart,replica_group_heal --num-steps 16 \
+        --throughput-samples 0 --merge
+
     .venv/bin/python bench/recovery.py --mechanisms whole_job_restart,node_replacement --throughput-samples 0 --merge
 
 Throughput of the memory tier: clean runs without FSx saves (only the final one), alternating memory tier
@@ -57,7 +70,7 @@ from components.train.report import read_metrics  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.observe import logs  # noqa: E402
 from trainer.run.events import read_events  # noqa: E402
-from trainer.run.run_dir import RunDir  # noqa: E402
+from trainer.run.run_dir import RunDir, read_jsonl  # noqa: E402
 
 log = logging.getLogger("bench.recovery")
 
@@ -81,9 +94,19 @@ MECHANISMS.update({
     "whole_job_restart": (["--resilience.job_restarts=1", "--local.node_loss=restart_job", *NODES], ["node_loss"]),
     "node_replacement": ([*IN_JOB, "--local.node_loss=replace", *NODES], ["node_loss"]),
 })
+# 4 ranks of the small model on 2 cores take 8-16 s a step, more with a save: a heartbeat timeout of its own, so
+# that only the drill restarts anything (the other mechanisms keep --heartbeat-timeout, their hang row's measure).
+GROUP_SHAPE = ["--training.num_nodes=2", "--training.nproc_per_node=2", *MEMORY, "--resilience.heartbeat_timeout=60",
+               "--resilience.quorum_timeout_seconds=15", "--resilience.replica_check_interval=0"]
+MECHANISMS.update({
+    "in_job_restart": ([*IN_JOB, *GROUP_SHAPE], ["sigkill"]),
+    "replica_group_heal": ([*IN_JOB, *GROUP_SHAPE, "--training.replica_groups=2",
+                            "--resilience.lighthouse_heartbeat_timeout_seconds=1"], ["sigkill"]),
+})
+GROUP_FAULTS = {"sigkill": f"sigkill@{FAULT_STEP}:rank=3"}  # group 1's second rank (node 1's)
 # Results kept per mechanism: --merge replaces only the mechanisms measured now.
 PER_MECHANISM = ("downtime_seconds", "in_run_downtime_seconds", "lost_steps", "reload_source", "clean_runs", "splits",
-                 "fsx_bytes_read")
+                 "fsx_bytes_read", "rank_seconds_lost", "survivor_stall_seconds", "heal_seconds", "heal_bytes")
 THROUGHPUT = {"off": NO_MEMORY, "node_memory": [*MEMORY, "--checkpoint.peer_replica=false"],
               "node_memory_and_peer": MEMORY}
 SPLIT = ("detect_and_teardown_seconds", "reinit_seconds", "reload_seconds", "first_step_seconds")
@@ -102,6 +125,34 @@ def in_run_downtime(recoveries: list[dict], step_seconds: float) -> float:
     return sum(r["recovery_seconds"] - step_seconds + (r["lost_steps"] or 0) * step_seconds for r in recoveries)
 
 
+def survivor_stall(run_dir: Path, step_seconds: float) -> float:
+    """The survivors' stall: their step-to-step gaps over a normal step, from the fault's step to the first
+    step after it that both groups trained (the heal's), summed."""
+    records = sorted(read_jsonl(RunDir(run_dir).metrics), key=lambda r: r["time"])
+    kept = {}
+    for record in records:  # the first record of each step (the groups write one line per step)
+        kept.setdefault(int(record["step"]), record)
+    steps = sorted(kept)
+    back = next((s for s in steps if s > FAULT_STEP + 1 and kept[s]["participants"] == 2), steps[-1])
+    gaps = [kept[s]["time"] - kept[s - 1]["time"] for s in steps if FAULT_STEP < s <= back and s - 1 in kept]
+    return sum(max(0.0, gap - step_seconds) for gap in gaps)
+
+
+def group_figures(mechanism: str, run_dir: Path, step_seconds: float, ranks: int) -> dict[str, float | None]:
+    """Rank-seconds lost to one fault, and for a heal its survivors' stall and transfer."""
+    recoveries = read_events(run_dir, "recovery")
+    if mechanism == "in_job_restart":
+        return {"rank_seconds_lost": ranks * in_run_downtime(recoveries, step_seconds)}
+    heals = read_events(run_dir, "replica_group_heal")
+    if not heals:  # the group came back after training ended: nothing to heal (a longer --num-steps)
+        return {"rank_seconds_lost": None, "survivor_stall_seconds": None, "heal_seconds": None, "heal_bytes": None}
+    stall = survivor_stall(run_dir, step_seconds)
+    group_ranks = ranks // 2
+    down = sum(r["recovery_seconds"] - step_seconds for r in recoveries)
+    return {"rank_seconds_lost": group_ranks * down + group_ranks * stall, "survivor_stall_seconds": stall,
+            "heal_seconds": max(h["seconds"] for h in heals), "heal_bytes": sum(h["bytes"] for h in heals)}
+
+
 def goal_figures(downtime: dict[str, dict], heartbeat_timeout: float) -> dict[str, float]:
     """The issue's goals as ratios: memory tier over the full relaunch (SIGKILL ≤ 0.35, node loss ≤ 0.5) and a
     hang's downtime beyond the heartbeat timeout (≤ 3 s)."""
@@ -116,6 +167,12 @@ def goal_figures(downtime: dict[str, dict], heartbeat_timeout: float) -> dict[st
     if "hang" in downtime.get("ft_launcher_memory", {}):
         goals["ft_launcher_memory/hang minus heartbeat_timeout"] = downtime["ft_launcher_memory"]["hang"] - heartbeat_timeout
     return goals
+
+
+def _fault_item(mechanism: str, fault: str | None) -> str:
+    if fault is None:
+        return ""
+    return GROUP_FAULTS[fault] if mechanism in ("in_job_restart", "replica_group_heal") else FAULTS[fault]
 
 
 def main() -> int:
@@ -146,7 +203,7 @@ def main() -> int:
             "--checkpoint.mode=sync",
             "--checkpoint.keep_last=1", f"--checkpoint.memory_dir={scratch / 'node-memory'}",
             f"--resilience.heartbeat_timeout={args.heartbeat_timeout}", "--resilience.launcher=ft_launcher",
-            f"--faults.schedule={FAULTS[fault] if fault else ''}", *flags])
+            f"--faults.schedule={_fault_item(mechanism, fault)}", *flags])
         started = time.perf_counter()
         run_local_training(cfg, data)
         wall = time.perf_counter() - started
@@ -162,6 +219,8 @@ def main() -> int:
         clean: dict[str, dict] = {}
         in_run: dict[str, dict] = {}  # the same downtime, from each run's recovery events
         fsx_bytes_read: dict[str, dict] = {}
+        grouped: dict[str, dict] = {key: {} for key in ("rank_seconds_lost", "survivor_stall_seconds", "heal_seconds",
+                                                        "heal_bytes")}
         for mechanism in args.mechanisms.split(","):
             flags, faults = MECHANISMS[mechanism]
             before, before_dir = run(mechanism, flags, None)
@@ -184,6 +243,11 @@ def main() -> int:
                 source[mechanism][fault] = ",".join(r["reload_source"] for r in recoveries) or None
                 splits[mechanism][fault] = [{"mechanism": r["mechanism"], **{k: r[k] for k in SPLIT},
                                              "recovery_seconds": r["recovery_seconds"]} for r in recoveries]
+                if mechanism in ("in_job_restart", "replica_group_heal"):
+                    found = group_figures(mechanism, run_dir, statistics.mean(clean[mechanism]["median_step_seconds"]),
+                                          ranks=4)
+                    for key, value in found.items():
+                        grouped[key].setdefault(mechanism, {})[fault] = value
                 restarted = [e for e in launches if e.get("init_seconds") and e is not launches[0]]
                 if restarted:
                     splits[mechanism][fault].append({"restart_init_seconds": restarted[-1]["init_seconds"]})
@@ -191,7 +255,7 @@ def main() -> int:
 
         figures: dict = {"downtime_seconds": downtime, "in_run_downtime_seconds": in_run, "lost_steps": lost,
                          "reload_source": source, "clean_runs": clean, "splits": splits,
-                         "fsx_bytes_read": fsx_bytes_read}
+                         "fsx_bytes_read": fsx_bytes_read, **grouped}
         if args.merge and args.output.is_file():
             earlier = json.loads(args.output.read_text())
             for key in PER_MECHANISM:
@@ -201,6 +265,10 @@ def main() -> int:
             kept = {k: v for k, v in earlier.items() if k not in (*PER_MECHANISM, "command", "measured_at", "machine")}
             figures = {**kept, **figures,
                        "earlier_commands": [*earlier.get("earlier_commands", []), earlier.get("command")]}
+        # Each mechanism's run length (a --merge may measure some with another --num-steps than the rest).
+        figures["num_steps_by_mechanism"] = {**(earlier.get("num_steps_by_mechanism", {}) if args.merge and
+                                                args.output.is_file() else {}),
+                                             **{m: args.num_steps for m in args.mechanisms.split(",")}}
         memory = splits.get("ft_launcher_memory", {}).get("sigkill")
         if memory:
             figures["reinit_seconds"] = memory[0]["reinit_seconds"]
@@ -215,8 +283,17 @@ def main() -> int:
             figures["node_memory_only_throughput_ratio"] = off / statistics.median(throughput["node_memory"])
             figures["throughput_median_step_seconds"] = throughput
         goals = goal_figures(downtime, args.heartbeat_timeout)
+        heal, restart = (figures["rank_seconds_lost"].get(m, {}).get("sigkill")
+                         for m in ("replica_group_heal", "in_job_restart"))
+        if heal is not None and restart:
+            goals["replica_group_heal/sigkill rank_seconds_lost over in_job_restart"] = heal / restart
+        stall = figures["survivor_stall_seconds"].get("replica_group_heal", {}).get("sigkill")
+        if stall is not None:
+            step = statistics.mean(figures["clean_runs"]["replica_group_heal"]["median_step_seconds"])
+            goals["replica_group_heal/sigkill survivor_stall over 2 steps"] = stall / (2 * step)
         figures["in_run_goal_ratios"] = goal_figures(in_run, args.heartbeat_timeout)
-        figures.update({"goal_ratios": goals, "params_preset": args.preset, "num_steps": args.num_steps,
+        figures.update({"goal_ratios": goals, "params_preset": args.preset,
+                        "num_steps": figures.get("num_steps", args.num_steps) if args.merge else args.num_steps,
                         "fault_step": FAULT_STEP, "fsx_interval_steps": 4,
                         "heartbeat_timeout": args.heartbeat_timeout})
         write_results(args.output, figures, "bench/recovery.py")

@@ -32,10 +32,11 @@ PLOT_NODES = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(Costs):
-        if f.name == "fault_mix":
+        if f.name in ("fault_mix", "scale_restarts"):
             continue
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, dest=f.name, type=int if f.name == "nodes" else float, default=None,
+        integer = f.name in ("nodes", "gpus_per_node", "replica_groups")
+        parser.add_argument(flag, dest=f.name, type=int if integer else float, default=None,
                             help=f"Costs.{f.name}" + (f" (default {f.default})" if f.default is not dataclasses.MISSING
                                                       else ""))
     parser.add_argument("--fault-mix", help="share of faults per class, e.g. exception=0.15,process=0.4,node=0.4,rack=0.05")
@@ -82,7 +83,7 @@ def costs_from_run(tracking_uri: str, run_id: str) -> dict[str, float]:
 
 
 def build_costs(args: argparse.Namespace, measured: dict[str, float]) -> Costs:
-    names = {f.name for f in dataclasses.fields(Costs)} - {"fault_mix"}
+    names = {f.name for f in dataclasses.fields(Costs)} - {"fault_mix", "scale_restarts"}
     values = {k: v for k, v in measured.items() if k in names}
     values.setdefault("nodes", 8)
     values.setdefault("node_mtbf_hours", LLAMA3_NODE_MTBF_HOURS)
@@ -116,6 +117,16 @@ def goodput_by_cluster_size(costs: Costs, nodes: list[int], names: list[str] | N
         for config in make_plan(dataclasses.replace(costs, nodes=n), names).configurations:
             curves.setdefault(config["name"], []).append(config["goodput"])
     return curves
+
+
+def replica_groups_pay_from(costs: Costs) -> int | None:
+    """The smallest cluster size (of PLOT_NODES, from 2) where the replica-groups configuration keeps more than
+    every other one; None when it never does up to the largest."""
+    for nodes in PLOT_NODES:
+        plan = make_plan(dataclasses.replace(costs, nodes=nodes))
+        if plan.recommended["name"] == "replica_groups":
+            return nodes
+    return None
 
 
 def plot_goodput(costs: Costs, path: Path, names: list[str] | None = None) -> Path:
@@ -185,6 +196,8 @@ def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None,
             config["simulated"] = simulated[config["name"]]
     if budget is not None:
         payload["restart_budget"] = budget
+    pays_from = replica_groups_pay_from(plan.costs)
+    payload["replica_groups_pay_from_nodes"] = pays_from
     if fmt == "json":
         return json.dumps(payload, indent=2, default=lambda v: None if isinstance(v, float) and not math.isfinite(v) else v)
     c = plan.costs
@@ -210,6 +223,9 @@ def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None,
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
         lines += ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
         lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in rows]
+    lines.append(f"replica groups (R={c.replica_groups}: a fault restarts its group only) keep the most goodput from "
+                 f"{pays_from} nodes" if pays_from else f"replica groups (R={c.replica_groups}) never keep the most "
+                 f"goodput up to {PLOT_NODES[-1]} nodes with these costs")
     if budget is not None:
         lines += _budget_lines(budget)
     return "\n".join(lines)

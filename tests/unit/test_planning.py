@@ -16,6 +16,8 @@ import math
 
 import pytest
 
+from trainer.planning.scale import process_group_seconds, restart_world_seconds
+
 from pipelines.cli import main
 from trainer.planning.goodput import (CONFIGURATIONS, Configuration, Costs, PlanError, best_interval, daly_goodput,
                                       daly_interval, evaluate, expected_goodput, make_plan, young_interval)
@@ -70,7 +72,11 @@ def test_more_layers_keep_more_goodput_and_async_beats_sync():
     goodput = {c["name"]: c["goodput"] for c in plan.configurations}
     assert goodput["sync+relaunch"] < goodput["async+relaunch"] < goodput["async+ft_launcher"]
     assert goodput["async+ft_launcher"] < goodput["async+ft_launcher+memory+peer"]
-    assert plan.recommended["name"] in ("async+ft_launcher+memory+peer", "in_process+ft_launcher+memory+peer")
+    assert plan.recommended["name"] in ("async+ft_launcher+memory+peer", "in_process+ft_launcher+memory+peer",
+                                        "replica_groups")
+    # With no per-step quorum to pay, a fault that stops only its replica group keeps the most at 1,024 nodes.
+    free = make_plan(Costs(nodes=1024, node_mtbf_hours=5000, **{**SEED_SETTING, "quorum_seconds": 0.0}))
+    assert free.recommended["name"] == "replica_groups"
     # A bigger cluster fails more often: shorter intervals, lower goodput.
     small = make_plan(Costs(nodes=8, node_mtbf_hours=5000, **SEED_SETTING))
     assert small.interval_seconds > plan.interval_seconds and small.recommended["goodput"] > plan.recommended["goodput"]
@@ -124,7 +130,8 @@ def test_rack_faults_take_the_peer_replica_with_them():
     no_spare = simulate(dataclasses.replace(costs, fault_mix={"node": 1.0}, spare_wait_seconds=600.0), config,
                         {"memory": 4.0, "fsx": 400.0}, 5 * 86400, seed=1)
     assert no_spare["goodput"] < node_only["goodput"]
-    assert costs.restart("replacement") == costs.restart_seconds + costs.replacement_seconds + costs.spare_wait_seconds
+    assert costs.restart("replacement") == (costs.restart_seconds + costs.replacement_seconds + costs.spare_wait_seconds
+                                            + restart_world_seconds(64, costs.gpus_per_node))
 
 
 def test_a_trace_replays_faults_at_given_steps_once_each():
@@ -227,3 +234,44 @@ def test_a_write_in_flight_survives_an_exception_but_not_a_process_death():
     in_process = simulate(costs, BY_NAME["in_process+ft_launcher+memory+peer"], {"fsx": 10.0, "memory": 1.0}, 30.0,
                           trace=[(20, "exception")])
     assert in_process["badput"]["wasted_progress"] == 0  # it reloads node memory, saved every step
+
+
+def test_a_restart_reinitialises_a_world_that_grows_with_the_job():
+    """The published process-group initialisation figures (pytorch/gloo#408) at their points, monotonic between
+    them, and nothing added to what a restart of up to 64 ranks measures here."""
+    assert process_group_seconds(64) == 0.0 and process_group_seconds(16) == 0.0
+    assert process_group_seconds(2048) == 18.0 and process_group_seconds(8192) == 85.0
+    assert process_group_seconds(16384) == 170.0
+    sizes = [64, 128, 512, 2048, 3000, 4096, 6000, 8192, 20000]
+    assert all(a <= b for a, b in zip(map(process_group_seconds, sizes), map(process_group_seconds, sizes[1:])))
+    small, large = (Costs(nodes=n, node_mtbf_hours=5000, **SEED_SETTING) for n in (8, 1024))
+    assert large.restart("ft_launcher") - small.restart("ft_launcher") == pytest.approx(85.0)
+    assert large.restart("job_relaunch") > large.job_restart_seconds + 80
+
+
+def test_replica_groups_cost_a_groups_share_plus_the_survivors_stall():
+    costs = Costs(nodes=1024, node_mtbf_hours=5000, **SEED_SETTING)
+    groups = costs.replica_groups
+    group_world = restart_world_seconds(1024 // groups, costs.gpus_per_node)
+    expected = ((costs.restart_seconds + group_world + costs.heal_seconds) / groups
+                + costs.replica_detection_seconds + costs.step_seconds)
+    assert costs.restart("replica_group") == pytest.approx(expected)
+    assert costs.restart("replica_group") < costs.restart("ft_launcher")
+    # One group is the whole job: no saving over an in-job restart but the stall on top.
+    single = dataclasses.replace(costs, replica_groups=1)
+    assert single.restart("replica_group") > single.restart("ft_launcher")
+
+
+def test_replica_groups_pay_only_from_some_cluster_size():
+    from pipelines.plan import replica_groups_pay_from
+
+    """The per-step quorum is paid at any size, a fault's saving grows with the fault rate: a crossover."""
+    costs = Costs(nodes=8, node_mtbf_hours=5000, **{**SEED_SETTING, "quorum_seconds": 0.01})
+    start = replica_groups_pay_from(costs)
+    assert start is not None and 8 < start <= 4096
+    below = make_plan(dataclasses.replace(costs, nodes=start // 2))
+    assert below.recommended["name"] != "replica_groups"
+    assert make_plan(dataclasses.replace(costs, nodes=start)).recommended["name"] == "replica_groups"
+    # A slower quorum moves the crossover up.
+    slower = replica_groups_pay_from(dataclasses.replace(costs, quorum_seconds=0.05))
+    assert slower is None or slower > start

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from trainer.planning.scale import restart_world_seconds
+
 FAULT_CLASSES = ("exception", "process", "node", "rack")
 """exception: a Python error or hang inside a healthy process; process: the process dies (OOM, GPU Xid a
 restart clears); node: the node must be replaced; rack: several neighbouring nodes at once (their peers too)."""
@@ -74,6 +76,20 @@ class Costs:
     spare_wait_seconds: float = 60.0
     """How long a lost node's replacement pod waits for a machine: a warm spare (manifests/components/
     warm-spares: preemption and container start, ~60 s) or, without one, a new instance (~600 s)."""
+    gpus_per_node: int = 8
+    """Ranks per node: a restart re-initialises the process group over nodes x this (trainer.planning.scale)."""
+    replica_groups: int = 8
+    """R of the replica-groups configuration (HSDP with torchft; at most one group per node)."""
+    replica_detection_seconds: float = 2.0
+    """How long the groups left wait for the lighthouse to drop a failed group (its heartbeat timeout)."""
+    heal_seconds: float = 5.0
+    """A restarted group's transfer of the live state from a peer group (bench/recovery.py: heal_seconds)."""
+    quorum_seconds: float = 0.05
+    """Replica groups: what each step waits for torchft's quorum and commit vote (the trainer's quorum_seconds
+    metric; round trips to the lighthouse and within the group), paid on every step, fault or not."""
+    scale_restarts: bool = True
+    """Add the process-group initialisation of the restarted world to each restart (trainer.planning.scale);
+    False: the restart costs as measured on a few nodes, whatever the job's size (comparisons only)."""
     startup_seconds: float = 0.0
     """One-time start of the job before the first step (counted once, not per fault)."""
     fault_mix: dict = field(default_factory=lambda: dict(DEFAULT_FAULT_MIX))
@@ -83,7 +99,11 @@ class Costs:
         _check(isinstance(self.nodes, int) and self.nodes >= 1, "nodes (--nodes)", f"must be an integer >= 1, got {self.nodes!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("nodes", "fault_mix"):
+            if f.name in ("nodes", "fault_mix", "scale_restarts"):
+                continue
+            if f.name in ("gpus_per_node", "replica_groups"):
+                _check(isinstance(value, int) and value >= 1, f"{f.name} (--{f.name.replace('_', '-')})",
+                       f"must be an integer >= 1, got {value!r}")
                 continue
             _check(isinstance(value, (int, float)) and math.isfinite(value), f"{f.name} (--{f.name.replace('_', '-')})",
                    f"must be a finite number, got {value!r}")
@@ -108,15 +128,29 @@ class Costs:
             return Tier(name, sync, 0.0, self.fsx_reload_seconds)
         if name == "fsx":
             return Tier(name, self.checkpoint_stall_seconds, self.checkpoint_background_seconds, self.fsx_reload_seconds)
+        if name == "live":  # a live replica group's state: healed in the restart, nothing lost
+            return Tier(name, 0.0, 0.0, 0.0)
         if name in ("memory", "peer"):
             # One copy per step serves both: the node's own and, sent beside the next step, its peer's.
             return Tier(name, self.memory_stall_seconds, 0.0, self.memory_reload_seconds)
         raise AssertionError(name)
 
     def restart(self, mechanism: str) -> float:
-        return {"in_process": self.in_process_restart_seconds, "ft_launcher": self.restart_seconds,
-                "replacement": self.restart_seconds + self.replacement_seconds + self.spare_wait_seconds,
-                "job_relaunch": self.job_restart_seconds}[mechanism]
+        """Seconds of the whole job's time a recovery costs. A restart re-initialises its world's process group
+        (trainer.planning.scale); with replica groups that world is one group, and the others train on."""
+        def world_of(nodes: int) -> float:
+            return restart_world_seconds(nodes, self.gpus_per_node) if self.scale_restarts else 0.0
+
+        world = world_of(self.nodes)
+        if mechanism.startswith("replica_group"):
+            groups = min(self.replica_groups, self.nodes)
+            group = self.restart_seconds + world_of(self.nodes // groups) + self.heal_seconds
+            if mechanism == "replica_group_replacement":
+                group += self.replacement_seconds + self.spare_wait_seconds
+            return group / groups + self.replica_detection_seconds + self.step_seconds
+        return {"in_process": self.in_process_restart_seconds, "ft_launcher": self.restart_seconds + world,
+                "replacement": self.restart_seconds + world + self.replacement_seconds + self.spare_wait_seconds,
+                "job_relaunch": self.job_restart_seconds + world}[mechanism]
 
 
 @dataclass(frozen=True)
@@ -139,7 +173,8 @@ class Configuration:
     def tiers(self) -> list[str]:
         """Tiers this configuration saves to; memory and peer are one copy, saved as 'memory'."""
         used = {tier if tier != "peer" else "memory" for _, tier in self.routes.values()}
-        return [t for t in ("memory", "fsx", "fsx_sync") if t in used]
+        # A job that heals from live groups still saves to FSx: a copy when every group is lost, and the model.
+        return [t for t in ("memory", "fsx", "fsx_sync") if t in used or (t == "fsx" and "live" in used)]
 
 
 def _routes(exception, process, node, rack):
@@ -165,6 +200,11 @@ CONFIGURATIONS = [
         ("ft_launcher", "memory"), ("ft_launcher", "memory"), ("replacement", "peer"), REPLACE_FSX)),
     Configuration("in_process+ft_launcher+memory+peer", "and exceptions recovered in-process", _routes(
         ("in_process", "memory"), ("ft_launcher", "memory"), ("replacement", "peer"), REPLACE_FSX)),
+    Configuration("replica_groups", "HSDP in replica groups (torchft): a fault restarts its group only, which heals "
+                  "from a live one while the others train on", _routes(
+                      ("replica_group", "live"), ("replica_group", "live"), ("replica_group_replacement", "live"),
+                      # several neighbouring nodes may span groups: counted as the job restarting from FSx
+                      REPLACE_FSX)),
 ]
 CONFIGURATION_NAMES = [c.name for c in CONFIGURATIONS]
 
@@ -210,7 +250,8 @@ def tier_rates(costs: Costs, config: Configuration) -> dict[str, float]:
     rate = 1 / costs.job_mtbf_seconds
     rates = {t: 0.0 for t in config.tiers}
     for cls, (_, tier) in config.routes.items():
-        rates[tier if tier != "peer" else "memory"] += rate * costs.fault_mix.get(cls, 0.0)
+        if tier != "live":
+            rates[tier if tier != "peer" else "memory"] += rate * costs.fault_mix.get(cls, 0.0)
     return rates
 
 
@@ -234,16 +275,19 @@ def best_interval(tier: Tier, rate: float, longest: float) -> dict:
 def expected_goodput(costs: Costs, config: Configuration, intervals: dict[str, float]) -> dict:
     """Goodput of a configuration at the given intervals (seconds of work per tier), with its badput split."""
     rate = 1 / costs.job_mtbf_seconds
-    tiers = {t: costs.tier(t) for t in ("memory", "fsx", "fsx_sync")}
+    tiers = {t: costs.tier(t) for t in ("memory", "fsx", "fsx_sync", "live")}
     save_fraction = sum(effective_stall(tiers[t], intervals[t]) / intervals[t] for t in config.tiers)
+    if any(tier == "live" for _, tier in config.routes.values()):
+        save_fraction += costs.quorum_seconds / costs.step_seconds  # every step's quorum, in the same account
     restart = reload = lost = 0.0
     for cls, (mechanism, tier) in config.routes.items():
         share = rate * costs.fault_mix.get(cls, 0.0)
         source = tiers[tier if tier != "peer" else "memory"]
         restart += share * costs.restart(mechanism)
         reload += share * source.reload
-        lost += share * expected_loss(source, intervals[tier if tier != "peer" else "memory"],
-                                      write_survives(cls, mechanism))
+        if tier != "live":
+            lost += share * expected_loss(source, intervals[tier if tier != "peer" else "memory"],
+                                          write_survives(cls, mechanism))
     compute = 1 / (1 + save_fraction)
     goodput = max(0.0, compute * (1 - restart - reload - lost))
     return {"goodput": goodput, "badput": {"checkpoint_save": 1 - compute, "infrastructure_recovery": restart * compute,

@@ -146,6 +146,17 @@ def simulate(costs: Costs, config: Configuration, intervals: dict[str, float], w
             settle(now)
             pending.clear()  # a write in flight dies with its processes
             source = "memory" if tier == "peer" else tier
+            if tier == "live":  # a replica group heals from a live one: no work lost (trainer.planning.scale)
+                restart = costs.restart(mechanism)
+                recoveries[mechanism] = recoveries.get(mechanism, 0) + 1
+                done = now + restart
+                if next_failure() >= done:
+                    badput["infrastructure_recovery"] += restart
+                    return done
+                again, cls = clocks.pop()
+                badput["infrastructure_recovery"] += again - now
+                now = again
+                continue
             if cls == "rack" or copies.get(source, _NONE) < 0:
                 source = "fsx" if "fsx" in tiers else "fsx_sync"
             copy = max(copies.get(source, _NONE), 0.0)
@@ -172,16 +183,21 @@ def simulate(costs: Costs, config: Configuration, intervals: dict[str, float], w
             badput["checkpoint_load"] += max(0.0, spent - restart)
             now = again
 
+    # Replica groups wait for torchft's quorum on every step: work advances 1 / pace per second of wall time.
+    pace = 1 + (costs.quorum_seconds / costs.step_seconds
+                if any(tier == "live" for _, tier in config.routes.values()) else 0.0)
     while w < work_seconds - 1e-9:
         target = min(min(next_save.values(), default=math.inf), work_seconds,
                      faults_at.next_work() if faults_at is not None else math.inf)
         failure = next_failure()
-        if t + (target - w) > failure:
-            w += failure - t
+        if t + (target - w) * pace > failure:
+            w += (failure - t) / pace
+            badput["checkpoint_save"] += (failure - t) * (1 - 1 / pace)
             t, cls = clocks.pop()
             t = recover(t, cls)
             continue
-        t += target - w
+        t += (target - w) * pace
+        badput["checkpoint_save"] += (target - w) * (pace - 1)
         w = target
         struck = False
         for name in [n for n in tiers if next_save[n] <= w + 1e-9]:
