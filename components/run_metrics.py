@@ -126,3 +126,20 @@ def _cell(value: Any) -> Any:
     if isinstance(value, dict):
         return ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
     return ", ".join(map(str, value)) if isinstance(value, list) else value
+
+
+def replica_group_line(event: dict[str, Any]) -> tuple[tuple, str] | None:
+    """The console's line of a replica-group record and the key that shows it once (each group's rank 0 records
+    a quorum change; every rank of a healed group its heal); None for any other record."""
+    kind = event.get("event")
+    if kind == "quorum_changed" and event["left"] or kind == "quorum_changed" and event["joined"] != event["groups"]:
+        return (("quorum", event["quorum_id"], tuple(event["groups"])),
+                f"  ! replica groups at step {event['step']}: {event['groups']} train (out {event['left']}, in "
+                f"{event['joined']}): {event['why']}")
+    if kind == "replica_group_heal":
+        return (("heal", event["group"], event["step"]),
+                f"  ! replica group {event['group']} healed from group {event['donor_group']} at step {event['step']}"
+                f" ({event['bytes'] / 1e6:.0f} MB per rank in {event['seconds']:.1f} s)")
+    if kind == "step_discarded":
+        return ("discarded", event["step"]), f"  ! step {event['step']} discarded by the replica groups: {event['why']}"
+    return None

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from components.run_metrics import opens_a_streak
+from components.run_metrics import opens_a_streak, replica_group_line
 from pipelines.pipeline import DISPLAY_NAMES
 from trainer.observe.logs import LOG_FORMAT
 from trainer.run.run_dir import RunDir
@@ -169,6 +169,8 @@ class TrainingProgress:
         elif event["event"] == "gave_up":
             key = ("gave_up", event.get("generation"))
             line = f"  ! {event['message']}"
+        elif (found := replica_group_line(event)) is not None:
+            key, line = found
         else:
             return
         if key not in self._seen_events:  # every rank records its recovery; one line is enough

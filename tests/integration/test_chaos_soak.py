@@ -34,7 +34,8 @@ TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--t
             "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1",
             # A start-up hang ends at its phase's timeout: short ones, still far above a normal phase here.
             "--resilience.startup_timeouts=" + ",".join(f"{phase}=15" for phase in STARTUP_PHASES)]
-LOOP_AND_SAVE = tuple(kind for kind in FAULT_TYPES if kind not in STARTUP_HANGS)
+# group_loss needs replica groups: the soak with R = 2 below
+LOOP_AND_SAVE = tuple(kind for kind in FAULT_TYPES if kind not in STARTUP_HANGS and kind != "group_loss")
 
 
 def seeded_schedule(seed: int = 2026, count: int = 30) -> str:
@@ -68,7 +69,7 @@ def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
     from pipelines.local_stack import MlflowServer
 
     schedule = seeded_schedule()
-    assert {item.split("@")[0] for item in schedule.split(", ")} == set(FAULT_TYPES)
+    assert {item.split("@")[0] for item in schedule.split(", ")} == set(FAULT_TYPES) - {"group_loss"}
     work = tmp_path / "work"
     work.mkdir()
     server = MlflowServer(tmp_path / "mlflow").start()
@@ -155,3 +156,63 @@ def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
             for proc in job_processes(str(work / "fsx" / "runs" / "soak"), RUN_DIR_ENV):
                 proc.kill()
         server.stop()
+
+
+GROUP_STEPS = 100
+# What a group survives by restarting itself (the writer group's commit drill on its rank 0, global rank 0), and
+# each group lost whole; one every ~7 steps over both groups' ranks (2 groups x 2 ranks), the last early enough for
+# its group to come back before the others finish. (A hang waits for the heartbeat timeout, 30 s here: by then
+# the other group, alone on 2 cores, has finished; the hang is the one-group soak's.)
+GROUP_FAULTS = ["sigkill@8:rank=3", "exception@14:rank=0", "group_loss@20:group=0", "exit@30:rank=2",
+                "node_loss@38:rank=1", "corrupt_memory@46:rank=2", "group_loss@52:group=1",
+                "kill_before_rename@58:rank=0", "exit@66:rank=1", "sigkill@74:rank=0"]
+
+
+def test_the_soak_in_two_replica_groups(tmp_path, token_dir, training_config):
+    """R = 2: ten faults of the kinds a group recovers from by itself, in both groups, the writer group's commit
+    drill and each group lost whole in turn, plus the lighthouse killed once. Every fault leaves a record (a recovery
+    naming it); the groups agree on every step both trained; every step is trained; nothing outlives the run."""
+    schedule = ",".join(GROUP_FAULTS)
+    cfg = training_config(tmp_path, "groups-soak", f"--training.num_steps={GROUP_STEPS}", "--training.num_nodes=2",
+                          "--training.replica_groups=2", "--checkpoint.interval_steps=5",
+                          "--resilience.heartbeat_timeout=30", "--resilience.quorum_timeout_seconds=15",
+                          "--resilience.initial_heartbeat_timeout=90", "--resilience.replica_check_interval=1",
+                          "--resilience.lighthouse_heartbeat_timeout_seconds=1",
+                          "--local.node_replacement_delay_seconds=1", f"--faults.schedule={schedule}")
+    killed = []
+
+    def kill_the_lighthouse_once():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not killed:
+            steps = [r["step"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")] if \
+                (cfg.run_dir / "metrics.jsonl").is_file() else []
+            if steps and max(steps) >= 28:
+                for proc in psutil.process_iter(["cmdline"]):
+                    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                        if "torchft_lighthouse" in " ".join(proc.info["cmdline"] or []) and \
+                                proc.environ().get(RUN_DIR_ENV) == str(cfg.run_dir):
+                            proc.kill()
+                            killed.append(proc.pid)
+            time.sleep(0.1)
+
+    import threading
+
+    killer = threading.Thread(target=kill_the_lighthouse_once, daemon=True)
+    killer.start()
+    result = run_local_training(cfg, token_dir)
+    killer.join(timeout=5)
+
+    assert result["steps"] == GROUP_STEPS and killed
+    lines = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    assert {r["step"] for r in lines} == set(range(1, GROUP_STEPS + 1))
+    both = [r for r in lines if r["participants"] == 2]
+    assert both and all(r.get("replicas_equal") is True for r in both)
+    assert read_events(cfg.run_dir, "replica_divergence") == []
+    faults = read_events(cfg.run_dir, "fault")
+    assert sorted(f["key"] for f in faults) == sorted(GROUP_FAULTS)
+    recorded = {k for r in read_events(cfg.run_dir, "recovery") for k in r["fault_keys"]}
+    assert [f["key"] for f in faults if f["key"] not in recorded] == []
+    assert read_events(cfg.run_dir, "gave_up") == []
+    assert {r["mechanism"] for r in read_events(cfg.run_dir, "recovery")} >= {"replica_group_heal"}
+    assert "the lighthouse exited" in (cfg.run_dir / "train.log").read_text()
+    assert job_processes(str(cfg.run_dir), RUN_DIR_ENV) == []

@@ -8,8 +8,11 @@ compared (resilience.replica_check_interval=1: HSDP's invariant, checked by the 
 `replica_divergence` event on a mismatch).
 """
 
+import json
 import threading
 import time
+from importlib.metadata import version
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +20,7 @@ import pytest
 from components.train.local import run_local_training
 from tests.metrics import losses_by_step
 from trainer.env import RUN_DIR_ENV
+from trainer.resilience.budget import read_gave_up
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir, read_jsonl
 
@@ -133,6 +137,25 @@ def test_a_group_that_never_comes_back_leaves_the_job_to_the_others(tmp_path, to
     assert read_events(cfg.run_dir, "replica_group_heal") == []
 
 
+def test_a_crash_loop_in_one_group_gives_that_group_up_and_the_others_finish(tmp_path, token_dir, training_config):
+    """Group 1 fails before step 6 on every attempt (no FSx save before the end: it resumes from its node memory at
+    step 5 each time): its own restart budget (each group spends its own; a restart that never trained made no
+    progress) gives it up after 2 such recoveries, its launcher exits 42, and with min_replica_groups=1 the runner
+    drops it; group 0 never restarted and trains to the end."""
+    cfg = training_config(tmp_path, "loop", *GROUPS, "--faults.schedule=exception@6:rank=2:repeat",
+                          "--checkpoint.interval_steps=100", "--resilience.min_replica_groups=1",
+                          "--resilience.max_restarts_without_progress=2")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == STEPS
+    gave_up = read_gave_up(cfg.run_dir)
+    assert gave_up["group"] == 1 and "stuck at step 5" in gave_up["message"]
+    assert "replica group 1 is lost for good" in RunDir(cfg.run_dir).train_log.read_text()
+    assert [a["rank"] for a in read_events(cfg.run_dir, "attempt")].count(0) == 1  # group 0 started once
+    participants = _participants(cfg)
+    assert participants[STEPS] == 1 and all(participants[s] == 2 for s in range(1, 6))
+
+
 def test_a_group_lost_for_good_below_min_replica_groups_restarts_the_job_from_the_tiers(tmp_path, token_dir,
                                                                                        training_config, clean):
     """min_replica_groups defaults to every group: the job cannot go on with one, so it is relaunched, and every
@@ -166,7 +189,7 @@ def test_both_groups_lost_resume_from_the_tiers(tmp_path, token_dir, training_co
 
 
 def test_the_lighthouse_killed_while_training_runs_is_started_again_and_the_job_goes_on(tmp_path, token_dir,
-                                                                                        training_config, clean):
+                                                                                        training_config):
     cfg = training_config(tmp_path, "lighthouse", *GROUPS, "--faults.schedule=")
     killed = []
 
@@ -191,5 +214,30 @@ def test_the_lighthouse_killed_while_training_runs_is_started_again_and_the_job_
 
     assert killed and result["steps"] == STEPS
     assert "the lighthouse exited" in RunDir(cfg.run_dir).train_log.read_text()
-    assert read_events(cfg.run_dir, "recovery") == []  # no group restarted
-    assert losses_by_step(RunDir(cfg.run_dir).metrics) == losses_by_step(RunDir(clean.run_dir).metrics)
+    assert sorted(r["step"] for r in _metrics(cfg)) == list(range(1, STEPS + 1))  # every step, once
+    _assert_groups_agree(cfg)
+    assert read_events(cfg.run_dir, "gave_up") == []
+    # Killed between two quorums, no group notices; killed while a quorum request is in flight, torchft 0.2.0's
+    # manager may time it out (resilience.quorum_timeout_seconds) and that group restarts in-job and heals: the
+    # job goes on either way (docs/replica-groups.md).
+    assert {r["mechanism"] for r in read_events(cfg.run_dir, "recovery")} <= {"ft_launcher", "replica_group_heal"}
+
+
+TODAY = Path(__file__).resolve().parents[1] / "data" / "r1-today" / "losses.json"
+
+
+@pytest.mark.parametrize("shape", ["1x2", "2x2"])
+def test_one_replica_group_trains_what_the_path_before_replica_groups_trained(tmp_path, token_dir, training_config,
+                                                                           shape):
+    """R = 1 is today's path, bit for bit: the losses of a clean run (one node of 2 ranks; 2 nodes of 2) equal
+    those commit 32e85b0 computed before replica groups existed (tests/data/r1-today: its make_fixture.py, the
+    torch and transformers versions it ran with)."""
+    today = json.loads(TODAY.read_text())
+    cfg = training_config(tmp_path, f"r1-{shape}", *today["settings"][-2:],
+                          f"--training.num_nodes={shape.split('x')[0]}", "--faults.schedule=")
+    run_local_training(cfg, token_dir)
+    losses = {str(step): loss for step, loss in losses_by_step(RunDir(cfg.run_dir).metrics).items()}
+    versions = {name: version(name) for name in ("torch", "transformers")}
+    assert losses == today["losses"][shape], (
+        f"R = 1 left today's path (or the packages changed: computed with {versions}, the fixture with "
+        f"torch {today['torch']}, transformers {today['transformers']})")

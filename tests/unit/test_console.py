@@ -116,3 +116,25 @@ def test_on_a_terminal_progress_is_a_bar_with_loss_and_throughput(tmp_path):
     shown = out.getvalue()
     assert "10/10" in shown and "loss 0.2500, 5,000 tok/s" in shown
     assert "train  step" not in shown  # the plain lines are for logs, not terminals
+
+
+def test_replica_group_changes_heals_and_discarded_steps_show_once_each(tmp_path):
+    """Each group's rank 0 records a quorum change and every rank of a healed group its heal: one line each;
+    a group's own first quorum (every group joining at the start) is no news."""
+    out = io.StringIO()
+    progress = TrainingProgress(tmp_path, num_steps=10, out=out)
+    common = dict(event="quorum_changed", why="a group failed or was lost", step=5, time=1.0)
+    write_event(tmp_path, 0, **{**common, "quorum_id": 1, "groups": [0, 1], "joined": [0, 1], "left": [],
+                                "why": "this group (re)started", "step": 0})
+    for rank in (0, 2):
+        write_event(tmp_path, rank, **common, quorum_id=2, groups=[0], joined=[], left=[1])
+    write_event(tmp_path, 0, event="step_discarded", step=6, why="RuntimeError: Connection closed by peer", time=1.5)
+    for rank in (2, 3):
+        write_event(tmp_path, rank, event="replica_group_heal", group=1, donor_group=0, step=8, bytes=14_000_000,
+                    seconds=0.2, time=2.0)
+    progress.poll()
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert lines == ["  ! replica groups at step 5: [0] train (out [1], in []): a group failed or was lost",
+                     "  ! step 6 discarded by the replica groups: RuntimeError: Connection closed by peer",
+                     "  ! replica group 1 healed from group 0 at step 8 (14 MB per rank in 0.2 s)"]

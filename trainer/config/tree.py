@@ -54,12 +54,16 @@ class Config:
                 f"must be in [1, training.replica_groups={self.training.replica_groups}] (0: every group)")
         if self.training.replica_groups > 1:
             r = self.resilience
-            for name in ("replica_timeout_seconds", "quorum_timeout_seconds", "lighthouse_join_timeout_seconds",
+            for name in ("quorum_timeout_seconds", "lighthouse_join_timeout_seconds",
                          "lighthouse_heartbeat_timeout_seconds"):
                 # torchft's waits end before ft_launcher would take a waiting rank for hung and restart its group
                 require(getattr(r, name) < r.heartbeat_timeout, f"resilience.{name}",
                         f"must be below resilience.heartbeat_timeout={r.heartbeat_timeout:g}: a group waiting on "
                         "torchft longer than that is restarted as hung")
+            # a step waits up to the all-reduce's timeout, then the commit vote up to twice it (replica_groups.py)
+            require(2 * r.replica_timeout_seconds < r.heartbeat_timeout, "resilience.replica_timeout_seconds",
+                    f"twice it must be below resilience.heartbeat_timeout={r.heartbeat_timeout:g}: a step waiting on "
+                    "a failed group's all-reduce and then the commit vote would be restarted as hung")
         require(self.training.replica_groups == 1 or self.local.node_loss != "restart_job", "local.node_loss",
                 "restart_job restarts every group at a node's loss; replica groups replace the node in its group")
         require(self.resilience.on_straggler == "report" or self.training.num_nodes > 1, "resilience.on_straggler",

@@ -219,6 +219,9 @@ class ResilienceHooks:
         # this recovery comes from, and any restarts before it that failed in start-up.
         *earlier, last = explain_restarts(self.cfg.run_dir, self.process_started_at, self.world_size, self.history)
         record.update(last, earlier_causes=[found["cause"] for found in earlier])
+        if "donor_group" in resume:  # what brought this group back: a live group's state, not a tier
+            record["cause"] = (f"{record['cause']}; replica group healed from group {resume['donor_group']} "
+                               f"({resume['heal_bytes'] / 1e6:.0f} MB in {resume['heal_seconds']:.1f} s)")
         self.events.write("recovery", **record)
         if self.telemetry is not None:
             self.telemetry.observe_recovery(mechanism)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
 import time
 from typing import Any, Callable
 
@@ -39,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import Config
 from trainer.env import REPLICA_GROUP_ENV
+from trainer.resilience.torchft_compat import QuorumSpy, group_of_replica_id, quiet_torchft, tensor_bytes
 from trainer.run.events import EventLog
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,6 @@ log = logging.getLogger(__name__)
 def group_of_environment() -> int:
     """This process's replica group (0 unless the runner put it in one)."""
     return int(os.environ.get(REPLICA_GROUP_ENV, "0"))
-
-
-def group_of_replica_id(replica_id: str) -> int:
-    """torchft's replica id is "<ours>:<uuid>", ours being group_<g>."""
-    match = re.match(r"group_(\d+)", replica_id)
-    assert match, replica_id
-    return int(match.group(1))
 
 
 class Single:
@@ -110,7 +103,7 @@ class TorchftGroups(Single):
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         super().__init__(rank, world_size)
-        _quiet_torchft()
+        quiet_torchft()
         r = cfg.resilience
         self.groups = cfg.training.replica_groups
         self.group = group_of_environment()
@@ -128,6 +121,8 @@ class TorchftGroups(Single):
         self._heal_started: float | None = None
         self._quorum_timeout, self._join_timeout = r.quorum_timeout_seconds, r.lighthouse_join_timeout_seconds
         self._check_interval = r.replica_check_interval
+        self._replica_timeout = r.replica_timeout_seconds
+        self._quorum_seconds = 0.0
         self.skipped_samples = 0
         self.heals = 0
         self.on_heal: Callable[[int, int | None, float, int], None] = lambda step, donor, seconds, size: None
@@ -139,7 +134,7 @@ class TorchftGroups(Single):
             quorum_timeout=datetime.timedelta(seconds=r.quorum_timeout_seconds),
             connect_timeout=datetime.timedelta(seconds=r.quorum_timeout_seconds),
             rank=rank, world_size=world_size, init_sync=False, quorum_retries=r.lighthouse_retries)
-        self.manager._client = _QuorumSpy(self.manager._client, self._saw_quorum)
+        self.manager._client = QuorumSpy(self.manager._client, self._saw_quorum)
 
     # -- what torchft calls --------------------------------------------------------------------------------
 
@@ -154,7 +149,7 @@ class TorchftGroups(Single):
 
     def _load(self, state: dict) -> None:
         assert self._load_fn is not None
-        received = _tensor_bytes(state)
+        received = tensor_bytes(state)
         self._load_fn(state)
         seconds = time.perf_counter() - (self._heal_started or time.perf_counter())
         self.heals += 1
@@ -189,6 +184,13 @@ class TorchftGroups(Single):
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def begin_step(self, step: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._begin_step(step)
+        finally:
+            self._quorum_seconds += time.perf_counter() - started
+
+    def _begin_step(self, step: int) -> None:
         self.manager.start_quorum()
         if self._quorum_id == -1:
             self._wait_for_every_group(step)
@@ -223,7 +225,6 @@ class TorchftGroups(Single):
         # Alone: the other groups are starting too (a run's start, a relaunch) rather than training: wait longer.
         alone = self.manager.num_participants() <= 1
         bound = self._quorum_timeout if step == 0 or alone else self._join_timeout
-        deadline = time.monotonic() + bound
         if not self._ask_again_until(self.groups, bound):
             log.warning("replica group %d: %d of %d groups in its first quorum after %.0f s: training goes on "
                         "with them", self.group, self.manager.num_participants(), self.groups, bound)
@@ -246,7 +247,12 @@ class TorchftGroups(Single):
         return self.manager.num_participants() >= groups
 
     def should_commit(self, step: int) -> bool:
-        committed = self.manager.should_commit()
+        started = time.perf_counter()
+        # Every rank's vote comes within the cross-group all-reduce's timeout (a slow rank's collective fails at
+        # replica_timeout_seconds): waiting twice that never decides for a rank whose peer is merely slow, which
+        # could commit on one rank and not on another.
+        committed = self.manager.should_commit(timeout=datetime.timedelta(seconds=2 * self._replica_timeout))
+        self._quorum_seconds += time.perf_counter() - started
         if not committed:
             error = self.manager.errored()
             why = (f"{type(error.original_exception).__name__}: {str(error.original_exception).splitlines()[0]}"
@@ -299,47 +305,16 @@ class TorchftGroups(Single):
         return self.manager.participating_rank() == 0
 
     def figures(self) -> dict[str, Any]:
-        return {"replica_group": self.group, "participants": self.participants}
+        """This step's: the group writing it, the groups in it, the seconds it waited for the quorum and the
+        commit vote (the planner's Costs.quorum_seconds; a heal's transfer included when there was one)."""
+        waited, self._quorum_seconds = self._quorum_seconds, 0.0
+        return {"replica_group": self.group, "participants": self.participants, "quorum_seconds": waited}
 
     def result(self) -> dict[str, Any]:
         return {"replica_groups": self.groups, "replica_group": self.group, "heals": self.heals}
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def _quiet_torchft() -> None:
-    """torchft logs every quorum and commit at INFO: the run's log keeps its warnings and errors (our own records
-    say what changed); the flight recorder's reset is NCCL's only, and gloo's absence of it is no news."""
-    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
-
-
-class _QuorumSpy:
-    """torchft's ManagerClient, telling us each quorum it returns (the Manager keeps the donor and the members
-    to itself)."""
-
-    def __init__(self, client: Any, saw: Callable[[Any], None]):
-        self._client, self._saw = client, saw
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
-        self._saw(quorum)
-        return quorum
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-def _tensor_bytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
 
 
 def replica_groups_for(cfg: Config, rank: int, world_size: int, events: EventLog, device: torch.device) -> Single:

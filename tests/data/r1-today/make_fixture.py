@@ -1,0 +1,43 @@
+"""Made tests/data/r1-today/losses.json once, from a checkout of commit 32e85b0 (before replica groups): the
+per-step losses of a clean run in two shapes, one node of 2 ranks and 2 nodes of 2 ranks, on the test suite's
+token data (tests/integration/conftest.py's token_dir and FAST_TRAINING), with the versions that computed them.
+
+    PYTHONPATH=. .venv/bin/python tests/data/r1-today/make_fixture.py /tmp/r1/work > out   # in that checkout
+
+The runs print their launchers' output too: losses.json is the last JSON object of `out`.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from components.train.local import run_local_training  # noqa: E402
+from pipelines.demo_data import demo_files  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.data.shards import tokenize_files  # noqa: E402
+from trainer.run.run_dir import read_jsonl  # noqa: E402
+
+SHAPES = {"1x2": ["--training.num_nodes=1"], "2x2": ["--training.num_nodes=2"]}
+FAST = ["--training.batch_size=4", "--training.seq_len=32", "--training.warmup_steps=2", "--training.log_every=2",
+        "--eval.max_batches=4", "--resilience.straggler_interval=5"]
+
+work = Path(sys.argv[1])
+shutil.rmtree(work, ignore_errors=True)
+(work / "raw").mkdir(parents=True)
+for name, body in demo_files(300).items():
+    (work / "raw" / name).write_bytes(body)
+tokenize_files(sorted((work / "raw").iterdir()), work / "tokens", 0.1)
+losses = {}
+for shape, flags in SHAPES.items():
+    cfg = load_config("local", [f"--run.work_dir={work / shape}", f"--run.run_id=r1-{shape}",
+                                f"--checkpoint.memory_dir={work / shape}/node-memory", *FAST,
+                                "--training.num_steps=8", "--checkpoint.interval_steps=4", *flags])
+    run_local_training(cfg, work / "tokens")
+    losses[shape] = {str(r["step"]): r["loss"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")}
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+print(json.dumps({"commit": commit, "torch": version("torch"), "transformers": version("transformers"),
+                  "settings": FAST + ["--training.num_steps=8", "--checkpoint.interval_steps=4"],
+                  "losses": losses}, indent=1))
