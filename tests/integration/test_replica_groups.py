@@ -31,7 +31,11 @@ GROUPS = [f"--training.num_steps={STEPS}", "--training.num_nodes=2", "--training
           "--checkpoint.interval_steps=4", "--resilience.heartbeat_timeout=30",
           "--resilience.quorum_timeout_seconds=20", "--resilience.replica_check_interval=1",
           "--resilience.lighthouse_heartbeat_timeout_seconds=1",
-          "--local.node_replacement_delay_seconds=1"]
+          "--local.node_replacement_delay_seconds=1",
+          # 4 training processes on 2 cores: a rank's CPU time depends on which process shares its core (one was
+          # scored 0.73 in its first window), so the straggler audit of clean runs (conftest) has nothing to
+          # learn here; the one-group runs keep it.
+          "--resilience.straggler_interval=0"]
 
 
 def _metrics(cfg) -> list[dict]:
@@ -233,8 +237,10 @@ def test_one_replica_group_trains_what_the_path_before_replica_groups_trained(tm
     those commit 32e85b0 computed before replica groups existed (tests/data/r1-today: its make_fixture.py, the
     torch and transformers versions it ran with)."""
     today = json.loads(TODAY.read_text())
+    # (straggler detection changes no loss: off, as for every 4-process run here)
     cfg = training_config(tmp_path, f"r1-{shape}", *today["settings"][-2:],
-                          f"--training.num_nodes={shape.split('x')[0]}", "--faults.schedule=")
+                          f"--training.num_nodes={shape.split('x')[0]}", "--faults.schedule=",
+                          "--resilience.straggler_interval=0")
     run_local_training(cfg, token_dir)
     losses = {str(step): loss for step, loss in losses_by_step(RunDir(cfg.run_dir).metrics).items()}
     versions = {name: version(name) for name in ("torch", "transformers")}
