@@ -44,27 +44,20 @@ def kill_this_group(reason: str, permanent: bool) -> None:
     group, token = os.environ.get(REPLICA_GROUP_ENV), os.environ.get(JOB_TOKEN_ENV)
     log.warning("replica group %s is lost%s (%s): every node of it goes", group,
                 " for good" if permanent else "", reason)
-    mine, stores = [], set()
+    launchers, others, stores = [], [], set()
     for proc in psutil.process_iter():
         with _ignore_gone():
             env = proc.environ()
             if proc.pid != os.getpid() and env.get(JOB_TOKEN_ENV) == token and env.get(REPLICA_GROUP_ENV) == group:
-                mine.append(proc)
+                # a node's launcher is the one process of it without its launcher's pid in the environment
+                (others if NODE_LAUNCHER_PID_ENV in env else launchers).append(proc)
                 stores.update([env[NODE_STORE_ENV]] if env.get(NODE_STORE_ENV) else [])
-    launchers = [p for p in mine if NODE_LAUNCHER_PID_ENV not in _environ(p)]
-    for proc in launchers + [p for p in mine if p not in launchers]:
+    for proc in launchers + others:
         with _ignore_gone():
             proc.kill()
     for store in stores | ({os.environ[NODE_STORE_ENV]} if os.environ.get(NODE_STORE_ENV) else set()):
         shutil.rmtree(Path(store), ignore_errors=True)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _environ(proc: psutil.Process) -> dict[str, str]:
-    try:
-        return proc.environ()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return {}
 
 
 def in_a_node_of_many() -> bool:

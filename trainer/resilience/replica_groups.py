@@ -110,7 +110,6 @@ class TorchftGroups(Single):
         assert 0 <= self.group < self.groups, (self.group, self.groups)
         self.global_rank = self.group * world_size + rank
         self.events = events
-        self.samples_per_group_step = cfg.training.batch_size * cfg.training.grad_accum_steps * world_size
         timeout = datetime.timedelta(seconds=r.replica_timeout_seconds)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self._state_fn: Callable[[], dict] | None = None
@@ -123,7 +122,6 @@ class TorchftGroups(Single):
         self._check_interval = r.replica_check_interval
         self._replica_timeout = r.replica_timeout_seconds
         self._quorum_seconds = 0.0
-        self.skipped_samples = 0
         self.heals = 0
         self.on_heal: Callable[[int, int | None, float, int], None] = lambda step, donor, seconds, size: None
         # use_async_quorum=False: a healing group applies the live state before its forward pass and takes part
@@ -260,8 +258,6 @@ class TorchftGroups(Single):
             log.warning("replica group %d: step %d discarded (%s); it is trained again", self.group, step + 1, why)
             if self.rank == 0:
                 self.events.write("step_discarded", group=self.group, step=step + 1, why=why[:300])
-        else:
-            self.skipped_samples += (self.groups - self.participants) * self.samples_per_group_step
         return committed
 
     def replicas_equal(self, model: torch.nn.Module, step: int) -> bool | None:

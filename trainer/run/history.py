@@ -203,7 +203,7 @@ class ControlState:
         # ended ones decide, as in the budget's own walk (trainer.resilience.budget, `ended`).
         attempts = window["attempts"]
         counted = [a for a in attempts[:-1] if not a["escalated"]]
-        grouped = window is not None and any("group" in a for a in attempts)
+        grouped = any("group" in a for a in attempts)
         later = None
         for attempt in reversed(counted[1:]):
             # as the budget counts it: a replica group's restart progressed only if it trained (trainer.resilience.
