@@ -12,6 +12,8 @@ NODE_RANK_ENV = "PET_NODE_RANK"  # which node this is (Kubeflow Trainer's torch 
 NODE_INDEX_ENV = "RESILIENT_TRAIN_NODE_INDEX"
 # how many times this node index was replaced in this launch (the local runner; 0 or unset: the node's first)
 NODE_REPLACEMENT_ENV = "RESILIENT_TRAIN_NODE_REPLACEMENT"
+# the node's fencing generation: bumped by every launcher that starts as this node index (trainer.run.lease)
+NODE_GENERATION_ENV = "RESILIENT_TRAIN_NODE_GENERATION"
 NUM_NODES_ENV = "PET_NNODES"  # how many nodes (the same runtime's; the local runner too)
 FT_RANK_MONITOR_SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"  # set by NVRx's ft_launcher for each worker it monitors
 
@@ -57,5 +59,11 @@ NODE_UNHEALTHY_EXIT_CODE = 44
 # With replica groups, what 43 becomes: a survivor of one group waited in vain for a replacement; that group
 # restarts (locally: its nodes; on EKS: each of its pods is replaced by index), the other groups train on.
 GROUP_RESTART_EXIT_CODE = 45
+# The node could not reach the rendezvous store for resilience.store_timeout_seconds (cut off from the job's
+# network): it stopped its workers; replace it (the default verdict, locally and on EKS).
+NODE_CUT_OFF_EXIT_CODE = 46
+# A newer launcher of the same node index started (the node was replaced while this one was cut off): this one
+# stopped without writing anything more; nothing to replace (trainer.run.lease.NodeFence).
+NODE_FENCED_EXIT_CODE = 47
 # timeout(1)'s code: a start-up phase hung (trainer.resilience.phases), restarted like any worker failure.
 HANG_EXIT_CODE = 124

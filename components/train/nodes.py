@@ -33,16 +33,19 @@ from pathlib import Path
 
 import psutil
 
+from components.train.network import node_network
+from components.train.network_drills import network_drills
 from components.train.processes import (CrashLoop, LaunchOutput, TrainingError, TrainingTimeout, job_processes,
                                         launch_env, raise_for_exit)
 from trainer.config import Config
 from trainer.config.drills import parse_schedule
-from trainer.env import (JOB_TOKEN_ENV, LIGHTHOUSE_ENV, NODE_INDEX_ENV, NODE_RANK_ENV, NODE_REPLACEMENT_ENV,
+from trainer.env import (JOB_TOKEN_ENV, LIGHTHOUSE_ENV, NODE_CUT_OFF_EXIT_CODE, NODE_INDEX_ENV, NODE_RANK_ENV, NODE_REPLACEMENT_ENV,
                          NUM_NODES_ENV, REPLICA_GROUP_ENV)
 from trainer.launch.command import nodes_per_group, trainer_command
 from trainer.launch.lighthouse import lighthouse_command
 from trainer.launch.node_lifecycle import Verdict, verdict
 from trainer.launch.rendezvous_store import READY_LINE
+from trainer.run.events import EventLog
 from trainer.run.history import control_state
 from trainer.run.run_dir import RunDir
 
@@ -66,21 +69,20 @@ class NodeReplacementTimeout(TrainingError):
     restarts (from FSx, every node's memory being gone with its launcher)."""
 
 
-def node_command(command: list[str], index: int) -> list[str]:
+def node_command(command: list[str], index: int, address: str) -> list[str]:
     """The node's own memory folder under the job's (a replacement finds its predecessor's gone), and an
-    address of its own on loopback (127.0.0.<index + 1>), as each pod has its host name: NVRx 0.4.1's
-    rendezvous orders nodes by address whenever the node completing a round saw no earlier one (a
-    replacement), so a stable address per node index is what keeps every survivor's rank — and with it the
-    node memory its ranks wrote."""
-    assert index < 254, "one loopback address per local node"
+    address of its own (components.train.network: 127.0.0.<index + 1> on loopback, the host name rt-node-<index>
+    with namespaces), as each pod has its host name: NVRx 0.4.1's rendezvous orders nodes by address whenever the
+    node completing a round saw no earlier one (a replacement), so a stable address per node index is what keeps
+    every survivor's rank — and with it the node memory its ranks wrote."""
     command = [f"{arg}/node-{index}" if arg.startswith("--node-store=") else arg for arg in command]
     at = next(i for i, arg in enumerate(command) if arg.startswith("--nproc-per-node="))
-    return [*command[:at], f"--local-addr=127.0.0.{index + 1}", *command[at:]]
+    return [*command[:at], f"--local-addr={address}", *command[at:]]
 
 
-def start_rendezvous_store(env: dict[str, str], nodes: int) -> tuple[subprocess.Popen, int]:
-    store = subprocess.Popen([sys.executable, "-m", "trainer.rendezvous_store", "--host", "127.0.0.1", "--port", "0",
-                              "--nodes", str(nodes), "--die-with-parent"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def start_rendezvous_store(env: dict[str, str], nodes: int, network) -> tuple[subprocess.Popen, int]:
+    store = subprocess.Popen([*network.services_prefix(), sys.executable, "-m", "trainer.rendezvous_store", "--host",
+                              network.services_address, "--port", "0", "--nodes", str(nodes), "--die-with-parent"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=env, start_new_session=True)
     deadline = time.monotonic() + 60
     for line in store.stdout:
@@ -97,12 +99,14 @@ class Lighthouse:
     """torchft's lighthouse for the groups of one launch (trainer.launch.lighthouse), started again on the same
     port whenever it dies: it holds no state, and the managers retry their quorum requests meanwhile."""
 
-    def __init__(self, cfg: Config, env: dict[str, str]):
-        with socket.socket() as sock:
+    def __init__(self, cfg: Config, env: dict[str, str], network):
+        with socket.socket() as sock:  # free here; in the services' own namespace any port is
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
-        self.command, self.env, self.restarts = lighthouse_command(cfg, f"127.0.0.1:{self.port}"), env, 0
-        self.address = f"http://127.0.0.1:{self.port}"
+        host = network.services_address
+        self.command = [*network.services_prefix(), *lighthouse_command(cfg, f"{host}:{self.port}")]
+        self.env, self.restarts = env, 0
+        self.address = f"http://{host}:{self.port}"
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
@@ -133,21 +137,31 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
     """Run the job's nodes until every one finished. Raises CrashLoop, TrainingTimeout, NodeReplacementTimeout
     (the caller relaunches the whole job) or TrainingError (a node failed again and again before any trainer
     started). Every process of the launch is stopped when this returns."""
-    run_dir = RunDir(cfg.run_dir)
     token = uuid.uuid4().hex
     env = launch_env(cfg, attempt, token, generation, budget_since)
+    network = node_network(cfg.local.node_network, token)  # NetworkUnavailable says why, naming the setting
+    try:
+        _launch_on(cfg, config_path, data_dir, attempt, generation, budget_since, network, token, env)
+    finally:
+        network.close()
+
+
+def _launch_on(cfg: Config, config_path: Path, data_dir: Path, attempt: int, generation: int, budget_since: float,
+               network, token: str, env: dict[str, str]) -> None:
+    run_dir = RunDir(cfg.run_dir)
     count, groups, per_group = cfg.training.num_nodes, cfg.training.replica_groups, nodes_per_group(cfg)
     min_groups = cfg.resilience.min_groups(groups)
     delay = cfg.local.node_replacement_delay_seconds
-    lighthouse = Lighthouse(cfg, env) if groups > 1 else None
+    lighthouse = Lighthouse(cfg, env, network) if groups > 1 else None
     if lighthouse is not None:
         env = {**env, LIGHTHOUSE_ENV: lighthouse.address}
-    stores = [start_rendezvous_store(env, per_group) for _ in range(groups)]
-    commands = [trainer_command(cfg, config_path, data_dir, rendezvous_endpoint=f"127.0.0.1:{port}")
+    stores = [start_rendezvous_store(env, per_group, network) for _ in range(groups)]
+    commands = [trainer_command(cfg, config_path, data_dir, rendezvous_endpoint=f"{network.services_address}:{port}")
                 for _, port in stores]
-    log.info("launching %d nodes x %d ranks%s (attempt %d, lease generation %d), rendezvous store(s) on port(s) "
-             "%s: %s", count, cfg.training.nproc_per_node, f" in {groups} replica groups" if groups > 1 else "",
-             attempt + 1, generation, ", ".join(str(port) for _, port in stores), " ".join(commands[0]))
+    log.info("launching %d nodes x %d ranks%s (attempt %d, lease generation %d, %s network), rendezvous store(s) on "
+             "port(s) %s: %s", count, cfg.training.nproc_per_node, f" in {groups} replica groups" if groups > 1 else "",
+             attempt + 1, generation, cfg.local.node_network, ", ".join(str(port) for _, port in stores),
+             " ".join(commands[0]))
     deadline = time.monotonic() + cfg.training.timeout_seconds
     running: dict[int, Node] = {}
     replacements: dict[int, float] = {}  # node index -> when its replacement starts
@@ -155,6 +169,7 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
     gone: set[int] = set()  # nodes of groups dropped for good
     replaced: dict[int, int] = {}  # node index -> launchers started for it (the first is no replacement)
     failures_without_attempts, attempts_seen = 0, control_state(run_dir.path).attempts_total
+    events = EventLog(run_dir.path, rank=None)
     with run_dir.train_log.open("a") as log_file:
         output = LaunchOutput(log_file)
 
@@ -166,7 +181,8 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
             if groups > 1:  # torchft's Rust side logs each quorum and commit at info level unless told otherwise
                 node_env.update({REPLICA_GROUP_ENV: str(group), NODE_INDEX_ENV: str(index),
                                  "RUST_LOG": env.get("RUST_LOG", "warn")})
-            proc = subprocess.Popen(node_command(commands[group], index), stdout=subprocess.PIPE,
+            prefix, address = network.start_node(index)
+            proc = subprocess.Popen([*prefix, *node_command(commands[group], index, address)], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env=node_env, start_new_session=True)
             output.note(f"node {index} started{f' (replica group {group})' if groups > 1 else ''} "
                         f"(launcher pid {proc.pid})")
@@ -196,11 +212,14 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
             for index in members:
                 replacements[index] = time.monotonic()
 
+        drills = network_drills(cfg, network, lambda text: output.note(text, logging.WARNING))
         try:
             running = {index: start(index) for index in range(count)}
             while len(finished | gone) < count:
                 if lighthouse is not None:
                     lighthouse.keep_alive(output)
+                if drills is not None:
+                    drills.poll()
                 if time.monotonic() > deadline:
                     raise TrainingTimeout(f"training exceeded training.timeout_seconds={cfg.training.timeout_seconds}; "
                                           f"every training process was stopped; log: {run_dir.train_log}")
@@ -212,6 +231,9 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                     node.reader.join(timeout=5)
                     outcome = verdict(returncode)
                     if index in gone:
+                        continue
+                    if outcome is Verdict.SUPERSEDED:  # a newer launcher of this index runs: nothing to replace
+                        output.note(f"node {index}: a launcher replaced while cut off stopped ({_exit_text(returncode)})")
                         continue
                     if outcome is Verdict.FINISHED:
                         finished.add(index)
@@ -249,9 +271,13 @@ def launch_nodes(cfg: Config, config_path: Path, data_dir: Path, attempt: int, g
                         if failures_without_attempts > cfg.resilience.max_restarts_without_progress:
                             raise_for_exit(cfg, returncode, generation, output, what=f"node {index} (again, before any "
                                            "trainer started)")
-                        output.note(f"node {index} lost (its launcher exited with {_exit_text(returncode)} after "
+                        cut_off = returncode == NODE_CUT_OFF_EXIT_CODE
+                        output.note(f"node {index} lost (its launcher exited with {_exit_text(returncode)}"
+                                    f"{': it could not reach the rendezvous store, cut off' if cut_off else ''} after "
                                     f"{time.monotonic() - node.started:.0f} s): the other nodes keep running; its "
                                     f"replacement starts in {delay:g} s", logging.WARNING)
+                        events.write("node_lost", node=index, exit_code=returncode,
+                                     detector="store_timeout" if cut_off else "launcher_exit")
                         replacements[index] = time.monotonic() + delay
                 for index, due in list(replacements.items()):
                     if time.monotonic() >= due:

@@ -231,9 +231,12 @@ def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
     command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
     assert f"--ft-initial-rank-heartbeat-timeout={seconds}" in command
     assert any(a.startswith("--rdzv-conf=join_timeout=") for a in command)
-    assert command[:8] == ["python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}",
-                           "--fork-server", f"--run-dir={cfg.run_dir}",
-                           f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}", "ft_launcher"]
+    # A multi-node job's nodes watch the rendezvous store (a node cut off from it exits to be replaced).
+    store_watch = [f"--store-timeout={cfg.resilience.store_timeout_seconds:g}"] if cfg.training.num_nodes > 1 else []
+    assert command[:8 + len(store_watch)] == [
+        "python", "-m", "trainer.launcher", f"--node-store=/node-memory/{cfg.run.run_id}", "--fork-server",
+        f"--run-dir={cfg.run_dir}", *store_watch,
+        f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}", "ft_launcher"]
 
 
 def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limit_covers_it(cluster):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from components.train.network import LoopbackNetwork
 from components.train.nodes import node_command
 from tests.kube import MANIFESTS
 from trainer.env import CRASH_LOOP_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
@@ -54,7 +55,8 @@ def test_a_launcher_reports_to_the_store_only_when_no_node_hosts_it():
 def test_each_local_node_has_its_own_memory_and_a_stable_address():
     command = ["python", "-m", "trainer.launcher", "--node-store=/m/run", "ft_launcher", "--nnodes=3",
                "--nproc-per-node=2", "-m", "trainer"]
-    assert node_command(command, 2) == ["python", "-m", "trainer.launcher", "--node-store=/m/run/node-2",
+    assert node_command(command, 2, LoopbackNetwork().start_node(2)[1]) == [
+                                        "python", "-m", "trainer.launcher", "--node-store=/m/run/node-2",
                                         "ft_launcher", "--nnodes=3", "--local-addr=127.0.0.3", "--nproc-per-node=2",
                                         "-m", "trainer"]
 

@@ -29,8 +29,9 @@ def test_the_trainjob_validates_strictly_against_the_crd(cfg):
     assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
                                                              "memory": "555Gi"}
     command = spec["trainer"]["command"]
-    assert command[:8] == ["python", "-m", "trainer.launcher", "--node-store=/node-memory/nightly-2026-11-29",
+    assert command[:9] == ["python", "-m", "trainer.launcher", "--node-store=/node-memory/nightly-2026-11-29",
                            "--fork-server", f"--run-dir={cfg.run_dir}",
+                           f"--store-timeout={cfg.resilience.store_timeout_seconds:g}",
                            f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}", "ft_launcher"]
     # ft_launcher's own count is out of the way of the progress rule, and NVRx >= 0.6's tracker off.
     assert "--nproc-per-node=8" in command and "--max-restarts=1000000" in command

@@ -2,9 +2,11 @@
 touched here: trainer.resilience.faults fires the faults, trainer.resilience.phases watches the phases).
 
     faults.schedule = "sigkill@120:rank=1, hang@200, exception@t=30, kill_before_rename@40, exception@150:repeat"
+    faults.schedule = "partition@40:node=1:seconds=30, flap@80:node=0:times=3, partition_store@120:seconds=5"
     resilience.startup_timeouts = "rendezvous=60,restore_fsx=600"
 
-Loop faults fire after a step; save drills act at one sub-step of a save; start-up hangs hang a rank in one
+Loop faults fire after a step; network drills are enacted by the local runner from outside the nodes
+(components/train/network.py) once the run has trained their step; save drills act at one sub-step of a save; start-up hangs hang a rank in one
 start-up phase. A schedule item that could never fire is refused when the schedule is parsed.
 """
 
@@ -36,11 +38,16 @@ SAVE_FAULTS = {**SAVE_KILLS, "checkpoint_writer_crash": "write"}
 # Sub-steps only rank 0 performs (the commit runs on rank 0's commit thread): a drill there on another rank
 # could never fire.
 RANK_0_SAVE_POINTS = ("before_manifest", "before_rename", "before_parent_fsync", "retention")
-FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS)
+# Enacted by the local runner from outside the nodes' network namespaces (local.node_network=netns), not by a rank.
+NETWORK_FAULTS = ("partition", "flap", "partition_store")
+FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS) + NETWORK_FAULTS
 REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
 
 _ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
-                   r"(?::group=(?P<group>\d+))?(?P<permanent>:permanent)?(?P<repeat>:repeat)?$")
+                   r"(?::group=(?P<group>\d+))?(?P<permanent>:permanent)?(?P<repeat>:repeat)?"
+                   r"(?::node=(?P<node>\d+))?(?::seconds=(?P<down>\d+(?:\.\d+)?))?(?::times=(?P<times>\d+))?$")
+NETWORK_GRAMMAR = ("partition@STEP:node=K[:seconds=S], flap@STEP:node=K:times=N (N >= 1) or "
+                   "partition_store@STEP:seconds=S")
 
 
 
@@ -53,10 +60,17 @@ class Fault:
     repeat: bool = False  # fires on every attempt that is about to train `step` (a crash loop)
     group: int | None = None  # group_loss: the replica group lost (fired by its first rank)
     permanent: bool = False  # group_loss: no replacement comes (the job goes on with fewer groups)
+    node: int | None = None  # partition, flap: the node whose link goes down
+    down_seconds: float | None = None  # partition (None: for good), partition_store: how long the link stays down
+    times: int | None = None  # flap: how many times the link goes down and up
 
     @property
     def key(self) -> str:
         when = f"{self.step}" if self.step is not None else f"t={self.seconds}"
+        if self.type in NETWORK_FAULTS:
+            return (f"{self.type}@{when}" + (f":node={self.node}" if self.node is not None else "")
+                    + (f":seconds={self.down_seconds:g}" if self.down_seconds is not None else "")
+                    + (f":times={self.times}" if self.times is not None else ""))
         if self.group is not None:
             return f"{self.type}@{when}:group={self.group}" + (":permanent" if self.permanent else "")
         return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat else "")
@@ -75,6 +89,20 @@ def parse_schedule(text: str) -> list[Fault]:
         if match["type"] not in FAULT_TYPES:
             raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
         kind, rank = match["type"], int(match["rank"] or 0)
+        network = {"node": match["node"], "seconds": match["down"], "times": match["times"]}
+        if kind in NETWORK_FAULTS:
+            given = {name for name, value in network.items() if value is not None}
+            allowed, needed = {"partition": ({"node", "seconds"}, {"node"}), "flap": ({"node", "times"}, {"node", "times"}),
+                               "partition_store": ({"seconds"}, {"seconds"})}[kind]
+            if (match["seconds"] or match["rank"] or match["group"] or match["permanent"] or match["repeat"]
+                    or not needed <= given <= allowed or (match["times"] and int(match["times"]) < 1)):
+                raise ValueError(f"{raw!r}: a network drill is {NETWORK_GRAMMAR}")
+            faults.append(Fault(kind, int(match["step"]), None, 0, node=int(network["node"]) if network["node"] else None,
+                                down_seconds=float(network["seconds"]) if network["seconds"] else None,
+                                times=int(network["times"]) if network["times"] else None))
+            continue
+        if any(value is not None for value in network.values()):
+            raise ValueError(f"{raw!r}: only the network drills take :node=, :seconds= and :times= ({NETWORK_GRAMMAR})")
         if (kind == "group_loss") != (match["group"] is not None) or (match["permanent"] and kind != "group_loss"):
             raise ValueError(f"{raw!r}: a replica group's loss is group_loss@STEP:group=G[:permanent], and only it "
                              "takes :group= and :permanent")
@@ -97,11 +125,14 @@ def parse_schedule(text: str) -> list[Fault]:
     return faults
 
 
-def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool, replica_groups: int = 1) -> str | None:
+def unfirable(faults: list[Fault], *, world_size: int, checkpoints: bool, replica_groups: int = 1,
+              num_nodes: int = 1) -> str | None:
     """Why a parsed schedule item could never fire in any run of this job, if one could not (the config refuses
     it). A step past training.num_steps is not refused: shortening a run should not mean editing its drills;
     the trainer says which will not fire (FaultInjector)."""
     for fault in faults:
+        if fault.node is not None and fault.node >= num_nodes:
+            return f"{fault.key} could never fire: node {fault.node} does not exist (training.num_nodes={num_nodes})"
         if fault.group is not None and replica_groups == 1:
             return f"{fault.key} could never fire: the job has one replica group (training.replica_groups=1)"
         if fault.group is not None and fault.group >= replica_groups:

@@ -101,6 +101,12 @@ class LocalConfig:
     with per-index backoff; docs/node-loss.md); restart_job: every node is stopped and the whole job relaunched
     (a runtime without it — Kubernetes < 1.29, or backoffLimit 0 — and bench/recovery.py's baseline)."""
 
+    node_network: Literal["loopback", "netns"] = "loopback"
+    """training.num_nodes > 1: the nodes' network. loopback: every node on this machine's loopback (127.0.0.<index
+    + 1>). netns (root only): each node's launcher and workers in a network namespace of their own on a bridge,
+    the rendezvous store and the lighthouse in another, so a node can be cut off from the others (the partition,
+    flap and partition_store drills) while the run folder stays shared, as FSx is on EKS (docs/network-faults.md)."""
+
     def __post_init__(self) -> None:
         require(self.demo_documents >= 10, "local.demo_documents", "must be >= 10")
         require(self.node_replacement_delay_seconds >= 0, "local.node_replacement_delay_seconds", "must be >= 0")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.config.drills import FAULT_TYPES, parse_schedule, parse_startup_timeouts
+from trainer.config.drills import FAULT_TYPES, NETWORK_FAULTS, parse_schedule, parse_startup_timeouts
 from trainer.config.rules import ConfigError, require
 
 
@@ -68,6 +68,12 @@ class ResilienceConfig:
     """Multi-node jobs: how long the surviving nodes wait in the rendezvous for a lost node's replacement
     before they give up with exit code 43 and the whole job restarts (from FSx). It is the rendezvous's
     join_timeout of every round, so it also bounds the first one (the nodes of a gang start together)."""
+
+    store_timeout_seconds: float = 60.0
+    """Multi-node jobs: seconds a node's launcher goes without reaching the rendezvous store (once it has reached it)
+    before it declares itself cut off from the job's network: it stops its workers and exits 46, and the node is
+    replaced (the cut-off node's detector; docs/network-faults.md). 0: never (a cut-off node then waits until the
+    others give up on it). Above any store outage that should cost nothing (a store pod's restart)."""
 
     node_health_check_endpoint: str = ""
     """NVRx >= 0.5: a node health check service (Unix socket, e.g. /var/run/nvhcd.sock) ft_launcher asks
@@ -202,8 +208,9 @@ class FaultsConfig:
         require(self.mtbf_steps >= 0, "faults.mtbf_steps", "must be >= 0")
         require(self.slow_seconds >= 0, "faults.slow_seconds", "must be >= 0")
         require(self.straggler_factor > 1, "faults.straggler_factor", "must be > 1 (1.5: 50 % slower)")
+        rank_fired = [kind for kind in FAULT_TYPES if kind not in NETWORK_FAULTS]  # a random fault is a rank's
         for name in (t.strip() for t in self.random_types.split(",") if t.strip()):
-            require(name in FAULT_TYPES, "faults.random_types", f"{name!r} is not one of {list(FAULT_TYPES)}")
+            require(name in rank_fired, "faults.random_types", f"{name!r} is not one of {rank_fired}")
         try:
             parse_schedule(self.schedule)
         except ValueError as err:

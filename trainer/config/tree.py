@@ -12,10 +12,11 @@ from typing import Any
 
 import yaml
 
-from trainer.config.drills import parse_schedule, unfirable
+from trainer.config.drills import NETWORK_FAULTS, parse_schedule, unfirable
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.resilience import FaultsConfig, ResilienceConfig
 from trainer.config.rules import require
+from trainer.config.timeouts import check_timeouts
 from trainer.config.training import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
 from trainer.run.run_dir import RunDir
 
@@ -48,22 +49,19 @@ class Config:
         # whole run is known (the schedule's grammar is checked by its own section).
         why = unfirable(parse_schedule(self.faults.schedule),
                         world_size=self.training.nproc_per_node * self.training.num_nodes,
-                        checkpoints=self.checkpoint.enabled, replica_groups=self.training.replica_groups)
+                        checkpoints=self.checkpoint.enabled, replica_groups=self.training.replica_groups,
+                        num_nodes=self.training.num_nodes)
         require(why is None, "faults.schedule", f"{why}; fix or drop that item")
+        network_drills = [f.key for f in parse_schedule(self.faults.schedule) if f.type in NETWORK_FAULTS]
+        require(not network_drills or (self.local.node_network == "netns" and not self.kubernetes.enabled),
+                "faults.schedule", f"{', '.join(network_drills)}: a network drill cuts a node's link from outside its "
+                "network namespace, which only the local runner has: set local.node_network=netns (and leave "
+                "kubernetes.enabled false)")
+        require(self.local.node_network == "loopback" or self.training.num_nodes > 1, "local.node_network",
+                "netns gives each node a network of its own: it needs training.num_nodes > 1")
+        check_timeouts(self)
         require(self.resilience.min_replica_groups <= self.training.replica_groups, "resilience.min_replica_groups",
                 f"must be in [1, training.replica_groups={self.training.replica_groups}] (0: every group)")
-        if self.training.replica_groups > 1:
-            r = self.resilience
-            for name in ("quorum_timeout_seconds", "lighthouse_join_timeout_seconds",
-                         "lighthouse_heartbeat_timeout_seconds"):
-                # torchft's waits end before ft_launcher would take a waiting rank for hung and restart its group
-                require(getattr(r, name) < r.heartbeat_timeout, f"resilience.{name}",
-                        f"must be below resilience.heartbeat_timeout={r.heartbeat_timeout:g}: a group waiting on "
-                        "torchft longer than that is restarted as hung")
-            # a step waits up to the all-reduce's timeout, then the commit vote up to twice it (replica_groups.py)
-            require(2 * r.replica_timeout_seconds < r.heartbeat_timeout, "resilience.replica_timeout_seconds",
-                    f"twice it must be below resilience.heartbeat_timeout={r.heartbeat_timeout:g}: a step waiting on "
-                    "a failed group's all-reduce and then the commit vote would be restarted as hung")
         require(self.training.replica_groups == 1 or self.local.node_loss != "restart_job", "local.node_loss",
                 "restart_job restarts every group at a node's loss; replica groups replace the node in its group")
         require(self.resilience.on_straggler == "report" or self.training.num_nodes > 1, "resilience.on_straggler",

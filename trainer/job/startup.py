@@ -38,7 +38,8 @@ from trainer.config.drills import parse_startup_timeouts
 from trainer.data.batches import TokenBatches
 from trainer.data.shards import load_meta
 from trainer.data.tokenizer import load_tokenizer
-from trainer.env import GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_STORE_ENV, RESTART_COUNT_ENV
+from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_GENERATION_ENV, NODE_INDEX_ENV, NODE_RANK_ENV,
+                         NODE_REPLACEMENT_ENV, NODE_STORE_ENV, RESTART_COUNT_ENV)
 from trainer.model.llama import build_model_on_meta, load_or_build_model, materialize_on, shard_model
 from trainer.model.optimizer import build_optimizer, initialize_state
 from trainer.observe import logs
@@ -228,9 +229,22 @@ def agree_on_restart_count(world_size: int, device: torch.device) -> None:
     their workers: without this, a replacement's rank 0 would take the job's restart for a first start."""
     if world_size == 1:
         return
-    count = torch.tensor([int(os.environ.get(RESTART_COUNT_ENV, "0"))], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    os.environ[RESTART_COUNT_ENV] = str(int(count.item()))
+    # The replacement count too: a replacement that joins before the survivors' workers failed (a node cut off:
+    # its peers are blocked, not failed) restarts them as a membership change, which no launcher counts.
+    names = (RESTART_COUNT_ENV, NODE_REPLACEMENT_ENV)
+    counts = torch.tensor([int(os.environ.get(name) or 0) for name in names], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    for name, count in zip(names, counts.tolist()):
+        if count or name in os.environ:
+            os.environ[name] = str(int(count))
+
+
+def node_fence_of_this_process() -> tuple[int, int] | None:
+    """(node index, node generation) its launcher claimed (trainer.launch.launcher), or None outside one."""
+    generation = os.environ.get(NODE_GENERATION_ENV)
+    if not generation:
+        return None
+    return int(os.environ.get(NODE_INDEX_ENV) or os.environ.get(NODE_RANK_ENV) or 0), int(generation)
 
 
 def join_lease(run_dir: Path, rank: int) -> tuple[Fence, RunLease | None]:
@@ -255,7 +269,7 @@ def join_lease(run_dir: Path, rank: int) -> tuple[Fence, RunLease | None]:
         generation, busy = choice
     if busy is not None:
         raise RunFolderBusy(busy)
-    fence = Fence(run_dir, generation)
+    fence = Fence(run_dir, generation, node=node_fence_of_this_process())
     fence.check()
     return fence, own_lease
 

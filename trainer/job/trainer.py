@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.run.lease import check_fence_of_this_process
 from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import step_dir_name
 from trainer.config import Config
@@ -245,6 +246,7 @@ class Trainer:
                   "num_parameters": sum(p.numel() for p in self.model.parameters()),
                   "metrics_file": str(self.run_dir.metrics), "finished_at": time.time()}
         if self.rank == 0 and self.replica_groups.writes_run_files:
+            check_fence_of_this_process(self.run_dir.path)
             write_json(self.run_dir.result, result)
         return result
 

@@ -131,6 +131,8 @@ def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, 
     options.append(f"--run-dir={cfg.run_dir}")  # system metrics, and a stop when the restart budget gives up
     if cfg.training.replica_groups > 1:  # each node joins its group's world (trainer.launch.groups)
         options.append(f"--replica-groups={cfg.training.replica_groups}")
+    if rendezvous != ["--standalone"] and cfg.training.num_nodes > 1 and r.store_timeout_seconds > 0:
+        options.append(f"--store-timeout={r.store_timeout_seconds:g}")  # a node cut off from the job exits, replaced
     if job_name is not None and cfg.kubernetes.gpus_per_node:  # a TrainJob's node joins only when healthy
         options.append(f"--check-node={cfg.kubernetes.gpus_per_node},{cfg.kubernetes.efa_per_node}")
     # ft_launcher rejects --nproc-per-node=auto: always explicit.

@@ -44,11 +44,12 @@ from pathlib import Path
 import psutil
 
 from trainer.checkpoint.node_folders import owner_name, remove_dead_owners
-from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, GROUP_RESTART_EXIT_CODE, NODE_INDEX_ENV,
+from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, GROUP_RESTART_EXIT_CODE, NODE_GENERATION_ENV, NODE_INDEX_ENV,
                          NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV, NODE_UNHEALTHY_EXIT_CODE,
                          REPLACEMENT_TIMEOUT_EXIT_CODE, REPLICA_GROUP_ENV, WARM_START_ENV, WARM_START_PID_ENV)
 from trainer.launch.groups import REPLICA_GROUPS_OPTION, join_replica_group
 from trainer.launch.node_health import node_problems
+from trainer.launch.node_watch import NodeWatch
 from trainer.launch.parent_watch import forked_children_die_with_this_process, watch_parent
 from trainer.launch.rendezvous_store import report_finished
 from trainer.launch.warm_start import wait_until_serving
@@ -56,6 +57,7 @@ from trainer.observe.system_metrics import SystemMetricsSampler, nvml
 from trainer.resilience.budget import read_gave_up
 from trainer.resilience.nvrx_compat import (FT_LAUNCHER_MODULE, evict_predecessors_from_rendezvous,
                                             quiet_health_checks_without_gpu, runtime_launcher_args, stable_node_rank)
+from trainer.run.lease import claim_node
 from trainer.run.run_dir import RunDir
 
 LAUNCHERS = {"ft_launcher": FT_LAUNCHER_MODULE, "torchrun": "torch.distributed.run"}
@@ -63,8 +65,10 @@ NODE_STORE_OPTION = "--node-store="
 FORK_SERVER_OPTION = "--fork-server"
 RUN_DIR_OPTION = "--run-dir="
 CHECK_NODE_OPTION = "--check-node="
+STORE_TIMEOUT_OPTION = "--store-timeout="
 USAGE = (f"usage: python -m trainer.launcher [{NODE_STORE_OPTION}DIR] [{FORK_SERVER_OPTION}] [{RUN_DIR_OPTION}DIR] "
-         f"[{CHECK_NODE_OPTION}GPUS,EFA] [{REPLICA_GROUPS_OPTION}R] {{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
+         f"[{CHECK_NODE_OPTION}GPUS,EFA] [{REPLICA_GROUPS_OPTION}R] [{STORE_TIMEOUT_OPTION}SECONDS] "
+         f"{{{'|'.join(LAUNCHERS)}}} LAUNCHER-ARGS...")
 SYSTEM_METRICS_SECONDS = 10.0
 
 
@@ -160,6 +164,8 @@ def parse_options(argv: list[str]) -> tuple[dict[str, str | bool], list[str]]:
             options["check_node"] = arg[len(CHECK_NODE_OPTION):]
         elif arg.startswith(REPLICA_GROUPS_OPTION):
             options["replica_groups"] = arg[len(REPLICA_GROUPS_OPTION):]
+        elif arg.startswith(STORE_TIMEOUT_OPTION):
+            options["store_timeout"] = arg[len(STORE_TIMEOUT_OPTION):]
         else:
             sys.exit(f"{USAGE}\nunknown option {arg!r}")
     if not argv or argv[0] not in LAUNCHERS:
@@ -209,6 +215,14 @@ def main(argv: list[str]) -> None:
             print(f"trainer.launcher: node {os.environ.get(NODE_RANK_ENV, '?')} is not fit to train: "
                   f"{'; '.join(problems)}", file=sys.stderr, flush=True)
             sys.exit(NODE_UNHEALTHY_EXIT_CODE)
+    run_dir = Path(options["run_dir"]) if options.get("run_dir") else None
+    node_index = int(os.environ.get(NODE_INDEX_ENV) or os.environ.get(NODE_RANK_ENV) or 0)
+    if run_dir is not None:  # before any worker starts: from here on, this node index's earlier launchers are fenced
+        os.environ[NODE_GENERATION_ENV] = str(claim_node(run_dir, node_index))
+    try:
+        store_timeout = float(options.get("store_timeout") or 0)
+    except ValueError:
+        sys.exit(f"{USAGE}\n{STORE_TIMEOUT_OPTION} takes seconds, not {options['store_timeout']!r}")
     store = server = None
     if options.get("node_store"):
         store = launch_node_store(Path(options["node_store"]))
@@ -220,7 +234,6 @@ def main(argv: list[str]) -> None:
     if launcher == "ft_launcher" and nvml() is None:
         quiet_health_checks_without_gpu()
         print("trainer.launcher: no NVIDIA driver on this node: GPU and NIC health checks are off", file=sys.stderr)
-    run_dir = Path(options["run_dir"]) if options.get("run_dir") else None
     give_up = None
     metrics = contextlib.nullcontext()
     if run_dir is not None:
@@ -229,6 +242,9 @@ def main(argv: list[str]) -> None:
         node = f"node-{os.environ.get(NODE_INDEX_ENV, os.environ.get(NODE_RANK_ENV, '0'))}"
         metrics = SystemMetricsSampler(RunDir(run_dir).system_samples, SYSTEM_METRICS_SECONDS, node=node)
     store_endpoint = external_store(argv)
+    node_watch = NodeWatch(run_dir=run_dir, node_index=node_index,
+                           node_generation=int(os.environ[NODE_GENERATION_ENV]) if run_dir is not None else None,
+                           store_endpoint=store_endpoint, store_timeout_seconds=store_timeout).start()
     if store_endpoint is not None and launcher == "ft_launcher":
         local_addr = next((a.split("=", 1)[1] for a in argv if a.startswith("--local-addr=")), socket.getfqdn())
         evict_predecessors_from_rendezvous(local_addr)
@@ -236,6 +252,9 @@ def main(argv: list[str]) -> None:
         with metrics:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     except BaseException as err:  # ft_launcher's SignalException after the watch's SIGTERM, ChildFailedError, ...
+        node_watch.stop()
+        if node_watch.fired is not None:  # cut off or fenced: the watch said why
+            sys.exit(node_watch.fired[0])
         if give_up is not None:
             give_up.stop()
         if is_rendezvous_timeout(err) and not (give_up is not None and give_up.matches(read_gave_up(run_dir))):
@@ -249,6 +268,7 @@ def main(argv: list[str]) -> None:
         if give_up is None or not give_up.matches(read_gave_up(run_dir)):
             raise
     finally:
+        node_watch.stop()
         if give_up is not None:
             give_up.stop()
         if server is not None:
@@ -256,6 +276,8 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(server_folder, ignore_errors=True)
         if store is not None:
             shutil.rmtree(store, ignore_errors=True)
+    if node_watch.fired is not None:
+        sys.exit(node_watch.fired[0])
     if give_up is not None and give_up.matches(read_gave_up(run_dir)):
         sys.exit(CRASH_LOOP_EXIT_CODE)
     if store_endpoint is not None:

@@ -13,6 +13,11 @@ exit code             verdict        locally (components/train/nodes.py)  /  on 
 43 (no replacement)   restart job    every node stopped, job relaunched    /  FailJob -> JobSet RestartJobSet
 45 (no replacement,   restart group  the group's nodes stopped, restarted  /  the index's pod is recreated (no
     replica groups)                                                           rule matches; each survivor's)
+46 (cut off: the       replace node   a new node after the delay            /  the index's pod is recreated
+    store unreachable)
+47 (fenced: a newer   superseded     nothing (its replacement runs)       /  never seen: the pod object is
+    launcher claimed                                                          gone once its replacement exists
+    the node index)                                                           (podReplacementPolicy: Failed)
 anything else         replace node   a new node after the delay            /  the index's pod is recreated
 ====================  =============  =====================================================================
 
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import enum
 
-from trainer.env import CRASH_LOOP_EXIT_CODE, GROUP_RESTART_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
+from trainer.env import CRASH_LOOP_EXIT_CODE, GROUP_RESTART_EXIT_CODE, NODE_FENCED_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
 
 CONTAINER_NAME = "node"  # the TrainJob's trainer container (Kubeflow Trainer's torch runtime)
 
@@ -36,6 +41,7 @@ class Verdict(enum.Enum):
     RESTART_JOB = "restart the whole job"
     RESTART_GROUP = "restart the node's replica group"
     REPLACE_NODE = "replace the node"
+    SUPERSEDED = "nothing: a newer launcher of the node index runs"
 
 
 def verdict(returncode: int) -> Verdict:
@@ -48,6 +54,8 @@ def verdict(returncode: int) -> Verdict:
         return Verdict.RESTART_JOB
     if returncode == GROUP_RESTART_EXIT_CODE:
         return Verdict.RESTART_GROUP
+    if returncode == NODE_FENCED_EXIT_CODE:
+        return Verdict.SUPERSEDED
     return Verdict.REPLACE_NODE
 
 

@@ -34,6 +34,7 @@ import time
 import urllib.request
 from typing import Any, Callable
 
+from trainer.run.lease import check_fence_of_this_process
 from trainer.env import TRAINER_SERVER_CA_CERT_ENV, TRAINER_SERVER_TOKEN_ENV, TRAINER_SERVER_URL_ENV
 from trainer.planning.goodput import Costs, evaluate
 from trainer.run.history import ControlState
@@ -211,6 +212,7 @@ class ProgressReporter:
             "last_checkpoint_age_seconds": int(now - last_checkpoint[1]) if last_checkpoint else None,
             "straggler": straggler})
         try:
+            check_fence_of_this_process(self.path.parent)  # <run_dir>/trainer_status.json
             write_json(self.path, self.status)
         except OSError as err:
             log.warning("could not write %s: %s", self.path, err)

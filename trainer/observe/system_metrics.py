@@ -15,6 +15,7 @@ multiply with the cluster.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -22,7 +23,9 @@ from typing import Any
 
 import psutil
 
+from trainer.env import NODE_GENERATION_ENV
 from trainer.run.events import append_record
+from trainer.run.lease import LeaseLost, check_fence_of_this_process
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +64,19 @@ class SystemMetricsSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_seconds):
-            self.sample()
+            try:
+                self.sample()
+            except LeaseLost as err:  # this node was replaced: it samples nothing more into the run folder
+                log.warning("system metrics stop: %s", err)
+                return
 
     def sample(self) -> dict[str, Any]:
         memory = psutil.virtual_memory()
         disk = psutil.disk_io_counters()
         record: dict[str, Any] = {
             "time": time.time(), "node": self.node, "sample": self.samples,
+            # which launcher of the node sampled it: a node replaced while cut off is told from its successor
+            **({"node_generation": int(os.environ[NODE_GENERATION_ENV])} if os.environ.get(NODE_GENERATION_ENV) else {}),
             "system/cpu_utilization_percentage": psutil.cpu_percent(None),
             "system/system_memory_usage_megabytes": (memory.total - memory.available) / 2**20,
             "system/system_memory_usage_percentage": memory.percent,
@@ -83,6 +92,7 @@ class SystemMetricsSampler:
                 info = gpu.nvmlDeviceGetMemoryInfo(handle)
                 record[f"system/gpu_{index}_memory_usage_megabytes"] = info.used / 2**20
                 record[f"system/gpu_{index}_power_usage_watts"] = gpu.nvmlDeviceGetPowerUsage(handle) / 1000
+        check_fence_of_this_process(self.path.parent.parent)  # <run_dir>/system/samples.jsonl: a fenced node stops
         append_record(self.path, record)
         self.samples += 1
         return record
@@ -91,7 +101,10 @@ class SystemMetricsSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        self.sample()  # at least one sample, even for a short run
+        try:
+            self.sample()  # at least one sample, even for a short run
+        except LeaseLost:  # a node replaced while it ran writes nothing more
+            pass
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.run.lease import check_fence_of_this_process
 from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, JOB_ATTEMPT_ENV, LAUNCHER_ENV, REPLICA_GROUP_ENV,
                          RESTART_COUNT_ENV, TORCHELASTIC_RUN_ID_ENV)
 from trainer.run.events import EventLog
@@ -240,6 +241,7 @@ class RestartBudget:
             record = {"time": time.time(), "generation": self.generation, "scope": launch_scope(),
                       "group": budget_group(), "layer": self.layer, "streak": streak,
                       "limit": self.limit, "step": resumed_step, "message": message, "last_fault": last_fault}
+            check_fence_of_this_process(self.run_dir.path)
             write_json(self.run_dir.gave_up, record)
             self._record("gave_up", **{k: v for k, v in record.items() if k != "time"})
             return "give_up", message

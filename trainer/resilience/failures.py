@@ -39,7 +39,10 @@ _LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "C
 _DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKILL", "exit": "exited with code 137 "
            "(as the OOM killer leaves it)", "hang": "hung (no heartbeat)", "hang_in_collective": "hung in a collective",
            "node_loss": "lost its node", "corrupt_memory": "was killed by SIGKILL with its node memory corrupted",
-           "group_loss": "was lost with its whole replica group"}
+           "group_loss": "was lost with its whole replica group",
+           # the runner's network drills (components/train/network_drills.py): the record names a node, not a rank
+           "partition": "was cut off from the job's network", "flap": "lost its link (one of a flap's cuts)",
+           "partition_store": "the rendezvous store was cut off from every node"}
 MESSAGE_CHARS = 300
 SILENT_RANKS_LISTED = 64  # at 8,192 ranks a whole job can be silent: the list is cut, the count is not
 
@@ -79,7 +82,8 @@ def record_sigterm(run_dir: Path, rank: int, phase_of) -> None:
 def _how(record: dict[str, Any]) -> str:
     if record["event"] == "fault":
         where = f" in start-up phase {record['phase']}" if record.get("phase") else f" after step {record['step']}"
-        return f"{_DRILLS.get(record['fault_type'], 'hung')}{where} (drill {record['key']})"
+        who = f"node {record['node']} " if record.get("rank") is None and record.get("node") is not None else ""
+        return f"{who}{_DRILLS.get(record['fault_type'], 'hung')}{where} (drill {record['key']})"
     if record["event"] == "hang":
         return (f"hung in start-up phase {record['phase']} (no progress for {record['seconds']:.0f} s, timeout "
                 f"{record['timeout_seconds']:.0f} s)")
@@ -108,8 +112,15 @@ def explain_restarts(run_dir: Path, before: float, world_size: int,
     faults = [f for f in history.unhandled_faults if f["time"] < before]
     records = sorted([e for e in failures if e["time"] < before] + faults, key=lambda e: e["time"])
     attempts: dict[str, list[dict[str, Any]]] = {}
+    held: list[dict[str, Any]] = []  # the runner's faults (a network drill): of the attempt whose ranks failed next
     for record in records:  # in time order, so the attempts are too
-        attempts.setdefault(record.get("attempt", "?"), []).append(record)
+        if record["event"] == "fault" and record.get("rank") is None:
+            held.append(record)
+            continue
+        attempts.setdefault(record.get("attempt", "?"), []).extend([*held, record])
+        held = []
+    if held:
+        attempts.setdefault("runner", []).extend(held)
     found = [_explain(records, world_size) for records in attempts.values()] or [_explain([], world_size)]
     return [{**explanation, "failures_offset": offset} for explanation in found]
 

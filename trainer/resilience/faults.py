@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.config.drills import SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
+from trainer.config.drills import NETWORK_FAULTS, SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
 from trainer.env import NODE_LAUNCHER_PID_ENV
 from trainer.resilience.node_exit import in_a_node_of_many, kill_this_group, kill_this_node
 from trainer.run.history import control_state
@@ -49,7 +49,8 @@ class FaultInjector:
         node_loss and corrupt_memory drills; None when the memory tier is off. straggling: a straggler fault
         fired on this rank under this node's launcher (`straggling_here`): the rank is still slow."""
         mine = [f for f in faults if f.rank == rank and (f.repeat or f.key not in fired_keys)
-                and f.type not in STARTUP_HANGS]  # those hang in start-up (trainer.resilience.phases)
+                and f.type not in STARTUP_HANGS  # those hang in start-up (trainer.resilience.phases)
+                and f.type not in NETWORK_FAULTS]  # the local runner enacts those (components/train/network.py)
         self.pending = [f for f in mine if f.type not in SAVE_FAULTS and not f.repeat]
         self.repeating = [f for f in mine if f.repeat]
         self.save_kills = [f for f in mine if f.type in SAVE_FAULTS]

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.env import GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, REPLICA_GROUP_ENV, RESTART_COUNT_ENV
+from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, JOB_ATTEMPT_ENV, NODE_GENERATION_ENV, REPLICA_GROUP_ENV,
+                         RESTART_COUNT_ENV)
+from trainer.run.lease import fence_of_this_process
 from trainer.run.legacy import ensure_current_format, legacy_records
 from trainer.run.run_dir import RunDir, read_jsonl
 
@@ -64,7 +66,10 @@ class EventLog:
         self.group_rank = rank if group_rank is None else group_rank
         # With replica groups every record says whose it is: each group's restart budget counts its own attempts.
         self.group = int(os.environ[REPLICA_GROUP_ENV]) if os.environ.get(REPLICA_GROUP_ENV) else None
-        self.fence = fence
+        # No fence handed over (a rank's failure record, a launcher's): the one its launch put in its environment.
+        self.fence = fence if fence is not None else fence_of_this_process(run_dir)
+        # Which launcher of its node wrote it: a node replaced while cut off is told from its successor.
+        self.node_generation = int(os.environ[NODE_GENERATION_ENV]) if os.environ.get(NODE_GENERATION_ENV) else None
         self.run_dir.events.mkdir(parents=True, exist_ok=True)
 
     def write(self, event: str, **fields: Any) -> dict[str, Any]:
@@ -75,7 +80,8 @@ class EventLog:
             f"{event}: rank 0 writes periodic records"
         ensure_current_format(self.run_dir.path)  # an earlier release's events are migrated before anything new
         record = {"event": event, "rank": self.rank, "time": time.time(), "attempt": current_attempt(),
-                  **({"group": self.group} if self.group is not None else {}), **fields}
+                  **({"group": self.group} if self.group is not None else {}),
+                **({"node_generation": self.node_generation} if self.node_generation is not None else {}), **fields}
         append_record(path, record)
         return record
 

@@ -7,6 +7,12 @@
     fence = Fence(run_dir, generation)        # in each trainer
     fence.check()                             # before every append or commit: LeaseLost once superseded
 
+Nodes are fenced one by one as well: a node's launcher claims its node index as it starts
+(``claim_node``: ``fence/node-N.json`` gets a generation one above its predecessor's) and hands that generation
+to its workers. A node cut off from the job's network but still reaching the file system (FSx is served over
+another network than EFA) is replaced by a new launcher of the same index; from that claim on, every write of
+the old node's processes raises LeaseLost, and its launcher stops them (trainer.launch.launcher.NodeWatch).
+
 The lease is an ``flock`` on ``<run_dir>/lease.lock`` (FSx for Lustre honours it with the ``flock`` mount
 option, which the PersistentVolume sets), held for the life of the launcher; ``lease.json`` beside it
 names the holder and the current generation. A lock alone is not enough: it is released when its holder
@@ -36,6 +42,23 @@ class RunFolderBusy(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """A newer launch took over the run folder: this trainer must stop without writing."""
+
+
+def read_node_generation(run_dir: Path, index: int) -> int:
+    record = read_json(RunDir(run_dir).node_fence(index)) or {}
+    return int(record.get("generation", 0))
+
+
+def claim_node(run_dir: Path, index: int) -> int:
+    """A launcher starting as node `index`: its fencing generation, one above every earlier launcher of that index,
+    whose processes write nothing more from now on. One launcher per index starts at a time (the local runner
+    starts a replacement after its predecessor's end; a Job's pod replacement, podReplacementPolicy: Failed)."""
+    run = RunDir(run_dir)
+    run.node_fence(index).parent.mkdir(parents=True, exist_ok=True)
+    generation = read_node_generation(run_dir, index) + 1
+    write_json(run.node_fence(index), {"generation": generation, "host": socket.gethostname(), "pid": os.getpid(),
+                                       "since": time.time()}, fsync=True)
+    return generation
 
 
 def read_lease(run_dir: Path) -> dict[str, Any]:
@@ -100,15 +123,46 @@ class RunLease:
         self.release()
 
 
-class Fence:
-    """A trainer's side of the lease: check() raises LeaseLost once a newer generation holds the folder."""
+def fence_of_this_process(run_dir: Path) -> "Fence | None":
+    """The fence a process of a launch writes under, from what its launcher put in the environment (the launch's
+    lease generation, its node's claim); None for a process outside any launch (tests, tools, `python -m trainer`)."""
+    from trainer.env import GENERATION_ENV, NODE_GENERATION_ENV, NODE_INDEX_ENV, NODE_RANK_ENV  # noqa: PLC0415
 
-    def __init__(self, run_dir: Path, generation: int):
+    generation, node_generation = os.environ.get(GENERATION_ENV), os.environ.get(NODE_GENERATION_ENV)
+    if not generation and not node_generation:
+        return None
+    node = None
+    if node_generation:
+        node = int(os.environ.get(NODE_INDEX_ENV) or os.environ.get(NODE_RANK_ENV) or 0), int(node_generation)
+    return Fence(run_dir, int(generation) if generation else None, node=node)
+
+
+def check_fence_of_this_process(run_dir: Path) -> None:
+    """LeaseLost if this process's launch or node was superseded: called before a write that has no Fence handed
+    to it (a launcher's samples, a rank's failure record, its progress)."""
+    fence = fence_of_this_process(run_dir)
+    if fence is not None:
+        fence.check()
+
+
+class Fence:
+    """A trainer's side of the lease: check() raises LeaseLost once a newer generation holds the folder, or once a
+    newer launcher claimed this trainer's node (`node`: (node index, the node generation its launcher claimed))."""
+
+    def __init__(self, run_dir: Path, generation: int | None, node: tuple[int, int] | None = None):
         self.run_dir = Path(run_dir)
         self.generation = generation
+        self.node = node
 
     def check(self) -> None:
         current = read_lease(self.run_dir)
-        if int(current.get("generation", 0)) != self.generation:
+        if self.generation is not None and int(current.get("generation", 0)) != self.generation:
             raise LeaseLost(f"run folder {self.run_dir} now belongs to another launch ({_holder_text(current)}); "
                             f"this trainer (generation {self.generation}) stops without writing anything more")
+        if self.node is not None:
+            index, generation = self.node
+            newest = read_node_generation(self.run_dir, index)
+            if newest != generation:
+                raise LeaseLost(f"node {index} was replaced (node generation {newest}, this trainer's {generation}): "
+                                "a newer launcher of this node index writes the run folder now; this trainer stops "
+                                "without writing anything more")

@@ -15,6 +15,7 @@ temporary name, then a rename), so a reader never sees half a file:
     events/control-state.json  control.jsonl folded, with the byte offset it covers (trainer.run.history)
     events/format.json     the events' format; events/rank-N.jsonl: an earlier release's (trainer.run.legacy)
     lease.lock, lease.json  the run folder's writer lease (trainer.run.lease)
+    fence/node-N.json      node N's fencing generation: its newest launcher's (trainer.run.lease)
     gave_up.json       why the restart budget ended the job (trainer.resilience.budget), when it did
     system/samples.jsonl  every training node's system metrics (each node's launcher appends)
     steps/<step>.json, steps/<step>.error.json, steps/trainjob.json  each pipeline step's result
@@ -79,6 +80,9 @@ class RunDir:
     events = property(lambda self: self.path / EVENTS_DIR)
     lease_lock = property(lambda self: self.path / LEASE_LOCK)
     lease = property(lambda self: self.path / LEASE_FILE)
+
+    def node_fence(self, index: int) -> Path:
+        return self.path / "fence" / f"node-{index}.json"
     steps = property(lambda self: self.path / STEPS_DIR)
     trainjob = property(lambda self: self.path / STEPS_DIR / TRAINJOB)
     spool = property(lambda self: self.path / SPOOL_DIR)

@@ -1,0 +1,182 @@
+"""Faults the network makes, with real processes: each node's launcher and workers in a network namespace of its own
+(local.node_network=netns), the rendezvous store in another, the run folder shared, and the runner cutting links
+from outside (components/train/network_drills.py). Root only: namespaces, veth pairs and a bridge are made with
+`ip`; elsewhere (the GitHub workflow runs as a user) every test here skips and says why.
+
+What a cut-off node must do (docs/network-faults.md): be declared lost within the timeouts and replaced; write
+nothing to the run folder once its replacement claimed its node index (the fence); not come back as a second copy
+when its link does; and cost nothing when the cut is shorter than the timeouts. Losses are bit-identical to a clean
+run of the same shape in every case here. Assertions are on records and step counts, never on durations."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from components.train.local import RUN_DIR_ENV, job_processes, run_local_training
+from components.train.network import leftovers, netns_problem
+from trainer.run.events import read_events
+from trainer.run.run_dir import RunDir, read_json, read_jsonl
+from tests.metrics import losses_by_step
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(netns_problem() is not None, reason=f"needs root: {netns_problem()}")]
+
+NUM_STEPS = 30
+# heartbeat 10 s: a survivor blocked in a collective with a cut-off peer is restarted after it; the cut-off node
+# declares itself lost after 4 s without the store. The FSx interval (3) is longer than the memory tier's (1).
+# Sequences of 256 tokens: steps of ~0.5 s here, so that a drill's link changes (seconds) happen while it trains.
+SHAPE = [f"--training.num_steps={NUM_STEPS}", "--training.seq_len=256", "--checkpoint.interval_steps=3", "--training.nproc_per_node=1",
+         "--training.num_nodes=2", "--checkpoint.peer_replica_wait=true", "--local.node_replacement_delay_seconds=0",
+         "--local.node_network=netns", "--resilience.heartbeat_timeout=10", "--resilience.store_timeout_seconds=4"]
+
+
+def _losses(cfg):
+    return losses_by_step(RunDir(cfg.run_dir).metrics)
+
+
+def _run(tmp_path, training_config, token_dir, run_id, schedule):
+    cfg = training_config(tmp_path, run_id, *SHAPE, f"--faults.schedule={schedule}")
+    result = run_local_training(cfg, token_dir)
+    assert result["steps"] == NUM_STEPS
+    assert job_processes(str(cfg.run_dir), RUN_DIR_ENV) == []
+    assert read_events(cfg.run_dir, "gave_up") == []
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def clean_losses(tmp_path_factory, token_dir, training_config):
+    return _losses(_run(tmp_path_factory.mktemp("clean"), training_config, token_dir, "clean", ""))
+
+
+def _writes_after(cfg, node: int, generation: int, since: float) -> list[dict]:
+    """Every record in the run folder's event streams from a process of node `node`'s launcher number `generation`
+    (one rank per node here: rank == node) written after `since`."""
+    return [e for e in read_events(cfg.run_dir) if e.get("rank") == node and e.get("node_generation") == generation
+            and e["time"] > since]
+
+
+def test_a_node_cut_off_is_replaced_fenced_and_does_not_rejoin_when_its_link_comes_back(
+        tmp_path, token_dir, training_config, clean_losses):
+    """The link comes back 15 s after the cut: after node 1 declared itself lost (4 s without the store, its launcher
+    stopped 2 s later at most) and its replacement took over, so the old namespace returns to a job that already
+    has a node 1."""
+    cfg = _run(tmp_path, training_config, token_dir, "cut", "partition@4:node=1:seconds=15")
+
+    assert _losses(cfg) == clean_losses
+    [fault] = read_events(cfg.run_dir, "fault")
+    assert fault["key"] == "partition@4:node=1:seconds=15" and fault["rank"] is None and fault["node"] == 1
+    # The detector: node 1's own launcher, cut off from the store, exited 46.
+    [lost] = read_events(cfg.run_dir, "node_lost")
+    assert lost["node"] == 1 and lost["exit_code"] == 46 and lost["detector"] == "store_timeout"
+    [recovery] = read_events(cfg.run_dir, "recovery")
+    assert recovery["fault_keys"] == [fault["key"]] and "node 1 was cut off from the job's network" in recovery["cause"]
+    # Node 1's state from its replica on node 0 — or, when the cut fell while that step's replica was in flight,
+    # every rank from the FSx checkpoint before it (the memory tier restores a step every rank holds).
+    assert recovery["reload_source"] in ("peer", "disk") and recovery["reloaded_step"] >= 3
+    assert recovery["mechanism"] in ("ft_launcher", "node_replacement")
+    # The fence: the replacement claimed node 1 (generation 2); nothing of the first node 1 was written after that.
+    claim = read_json(RunDir(cfg.run_dir).node_fence(1))
+    assert claim["generation"] == 2
+    assert _writes_after(cfg, node=1, generation=1, since=claim["since"]) == []
+    samples = read_jsonl(RunDir(cfg.run_dir).system_samples)  # the launcher's own writes
+    assert [s for s in samples if s["node"] == "node-1" and s.get("node_generation") == 1
+            and s["time"] > claim["since"]] == []
+    assert any(s["node"] == "node-1" and s.get("node_generation") == 2 for s in samples)
+    # The link came back after the replacement: the old node did not come back as a second node 1.
+    [restored] = read_events(cfg.run_dir, "link_restored")
+    assert restored["replaced"] is True and restored["time"] > claim["since"] > lost["time"] - 1
+    log = RunDir(cfg.run_dir).train_log.read_text()
+    assert log.count("[nodes] node 1 started") == 2 and log.count("[nodes] node 0 started") == 1
+    assert "exits 46 to be replaced" in log
+
+
+@pytest.mark.parametrize("schedule", [
+    "partition@4:node=1:seconds=2",  # a node's link down 2 s: TCP retransmits, the collective completes late
+    "partition_store@4:seconds=2",  # the store away 2 s: below store_timeout_seconds, nobody declares anything
+])
+def test_a_cut_shorter_than_the_timeouts_costs_no_restart(tmp_path, token_dir, training_config, clean_losses, schedule):
+    cfg = _run(tmp_path, training_config, token_dir, "short", schedule)
+
+    assert _losses(cfg) == clean_losses
+    assert read_events(cfg.run_dir, "recovery") == [] and read_events(cfg.run_dir, "node_lost") == []
+    assert {a["layer"] for a in read_events(cfg.run_dir, "attempt")} == {"first_start"}
+    [absorbed] = read_events(cfg.run_dir, "fault_absorbed")
+    assert absorbed["fault_key"] == schedule
+
+
+def test_a_flapping_link_costs_at_most_one_recovery_per_flap(tmp_path, token_dir, training_config, clean_losses):
+    cfg = _run(tmp_path, training_config, token_dir, "flap", "flap@4:node=1:times=3")
+
+    assert _losses(cfg) == clean_losses
+    cuts = [f["key"] for f in read_events(cfg.run_dir, "fault")]
+    assert cuts == [f"flap@4:node=1:times=3#{n}" for n in (1, 2, 3)]
+    recoveries = read_events(cfg.run_dir, "recovery")
+    assert len(recoveries) <= len(cuts)
+    # Every cut has its record: a recovery that names it, or absorbed without a restart.
+    answered = {k for r in recoveries for k in r["fault_keys"]}
+    answered |= {a["fault_key"] for a in read_events(cfg.run_dir, "fault_absorbed")}
+    assert answered == set(cuts)
+
+
+def test_nothing_is_left_after_the_runner_is_killed(tmp_path):
+    """SIGKILL the runner mid-training: its nodes die with it (each watches its parent), and the keeper it started
+    removes every namespace, link and hosts file of the launch."""
+    script = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests/integration']\n"
+        "from conftest import _training_config\n"
+        "from components.train.local import run_local_training\n"
+        "from pathlib import Path\n"
+        "cfg = _training_config(Path(sys.argv[2]), 'killed', '--training.num_steps=100000', '--training.nproc_per_node=1',"
+        " '--training.num_nodes=2', '--local.node_network=netns', '--checkpoint.enabled=false')\n"
+        "run_local_training(cfg, Path(sys.argv[3]))\n")
+    token_dir = tmp_path / "tokens"
+    _tokens(token_dir)
+    runner = subprocess.Popen([sys.executable, "-c", script, os.getcwd(), str(tmp_path / "work"), str(token_dir)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "work" / "fsx" / "runs" / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.is_file() and metrics.stat().st_size):
+        time.sleep(0.2)
+    assert metrics.is_file(), "training never started"
+    tokens = {name.split("-")[1] for name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+              .stdout.split() if name.startswith("rt-")}
+    mine = [t for t in tokens if any(str(tmp_path) in " ".join(p.cmdline()) for p in _in_namespaces_of(t))]
+    assert len(mine) == 1, tokens
+    runner.send_signal(signal.SIGKILL)
+    runner.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (leftovers(mine[0]) or job_processes(str(metrics.parent), RUN_DIR_ENV)):
+        time.sleep(0.2)
+    assert leftovers(mine[0]) == []
+    assert job_processes(str(metrics.parent), RUN_DIR_ENV) == []
+
+
+def _in_namespaces_of(token: str) -> list[psutil.Process]:
+    """Processes running in a namespace of the launch `token` (`ip netns pids`)."""
+    pids = []
+    for name in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+        if name.startswith(f"rt-{token}-"):
+            pids += subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(int(pid)))
+        except psutil.NoSuchProcess:
+            continue
+    return procs
+
+
+def _tokens(out):
+    from pipelines.demo_data import demo_files
+    from trainer.data.shards import tokenize_files
+
+    raw = out.parent / "raw"
+    raw.mkdir()
+    for name, body in demo_files(100).items():
+        (raw / name).write_bytes(body)
+    tokenize_files(sorted(raw.iterdir()), out, 0.1)
