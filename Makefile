@@ -8,7 +8,7 @@ TOOLS_STAMP := $(TOOLS_VENV)/.installed-stamp
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install demo test compile golden bench bench-report clean
+.PHONY: system-packages install demo test compile golden bench bench-report clean
 
 # The constraints file pins torch to the CPU wheel (no multi-GB CUDA download).
 $(STAMP): pyproject.toml constraints.txt
@@ -26,7 +26,13 @@ $(TOOLS_STAMP): requirements-tools.txt
 	$(TOOLS_VENV)/bin/python -m pip install --quiet -r requirements-tools.txt
 	touch $(TOOLS_STAMP)
 
-install: $(STAMP) $(TOOLS_STAMP)
+# ip and unshare (Debian iproute2, util-linux) for local.node_network=netns and its tests: installed when missing
+# and this is root; elsewhere those tests skip and say why.
+system-packages:
+	@if [ "$$(id -u)" = 0 ] && ! { command -v ip && command -v unshare; } >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 util-linux; fi
+
+install: system-packages $(STAMP) $(TOOLS_STAMP)
 
 demo: install  ## the whole pipeline locally; pass overrides with ARGS="--section.key=value ..."
 	$(PY) -m pipelines run --config local $(ARGS)
@@ -49,6 +55,7 @@ bench: install  ## every benchmark (~100 min on 2 cores), then the report bench/
 	$(PY) bench/data.py
 	$(PY) bench/straggler.py
 	$(PY) bench/control_plane.py
+	$(PY) bench/network_faults.py
 	$(PY) bench/report.py
 
 bench-report: install  ## bench/README.md from the results already in bench/results

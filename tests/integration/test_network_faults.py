@@ -180,3 +180,45 @@ def _tokens(out):
     for name, body in demo_files(100).items():
         (raw / name).write_bytes(body)
     tokenize_files(sorted(raw.iterdir()), out, 0.1)
+
+
+def test_a_cut_off_replica_group_is_replaced_and_heals_from_the_live_one(tmp_path, token_dir, training_config):
+    """R = 2, a node per group: node 1 — group 1 — is cut off for good. Group 0 commits without it once the
+    all-reduce and the quorum give up on it; node 1 declares itself lost; its replacement heals from group 0."""
+    # 60 steps: group 0 alone must still be training when group 1's replacement comes back (~10 s after the cut).
+    cfg = training_config(tmp_path, "group-cut", *SHAPE, "--training.num_steps=60", "--training.replica_groups=2",
+                          "--resilience.heartbeat_timeout=30",
+                          "--resilience.replica_timeout_seconds=5", "--resilience.quorum_timeout_seconds=10",
+                          "--resilience.lighthouse_heartbeat_timeout_seconds=1", "--resilience.replica_check_interval=1",
+                          "--resilience.straggler_interval=0", "--faults.schedule=partition@4:node=1")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == 60
+    lines = read_jsonl(RunDir(cfg.run_dir).metrics)
+    assert {r["step"] for r in lines} == set(range(1, 61))
+    assert any(r["participants"] == 1 for r in lines) and lines[-1]["participants"] == 2
+    both = [r for r in lines if r["participants"] == 2]
+    assert all(r.get("replicas_equal") is True for r in both)
+    [lost] = read_events(cfg.run_dir, "node_lost")
+    assert lost["node"] == 1 and lost["detector"] == "store_timeout"
+    recoveries = read_events(cfg.run_dir, "recovery")
+    assert [r["mechanism"] for r in recoveries] == ["replica_group_heal"]
+    assert recoveries[0]["fault_keys"] == ["partition@4:node=1"]
+    assert job_processes(str(cfg.run_dir), RUN_DIR_ENV) == []
+
+
+def test_the_soak_in_network_namespaces(tmp_path, token_dir, training_config, clean_losses):
+    """Process faults and network faults in one run of the same shape: a SIGKILL, a node cut off for good, a
+    flapping link, the store away for 2 s, a node lost whole. Every fault has its record, no give-up, losses
+    bit-identical to the clean run, nothing left behind."""
+    schedule = ("sigkill@5:rank=1,partition@9:node=1,flap@14:node=0:times=2,partition_store@19:seconds=2,"
+                "node_loss@22:rank=0")
+    cfg = _run(tmp_path, training_config, token_dir, "soak", schedule)
+
+    assert _losses(cfg) == clean_losses
+    keys = [f["key"] for f in read_events(cfg.run_dir, "fault")]
+    assert {k.split("#")[0] for k in keys} == set(schedule.split(","))
+    answered = {k for r in read_events(cfg.run_dir, "recovery") for k in r["fault_keys"]}
+    answered |= {a["fault_key"] for a in read_events(cfg.run_dir, "fault_absorbed")}
+    assert set(keys) <= answered
+    assert len([k for k in keys if k.startswith("flap")]) == 2

@@ -81,7 +81,8 @@ def test_a_lost_node_is_replaced_while_the_others_keep_running(tmp_path, token_d
 def test_a_replacement_that_never_comes_restarts_the_whole_job_from_fsx(tmp_path, token_dir, training_config,
                                                                          clean_losses):
     cfg = training_config(tmp_path, "never", *STEPS, "--training.num_nodes=2", "--faults.schedule=node_loss@5:rank=1",
-                          "--local.node_replacement_delay_seconds=100000", "--resilience.replacement_timeout_seconds=8")
+                          "--local.node_replacement_delay_seconds=100000", "--resilience.replacement_timeout_seconds=8",
+                          "--resilience.store_timeout_seconds=4")
     result = run_local_training(cfg, token_dir)
 
     assert result["steps"] == 8

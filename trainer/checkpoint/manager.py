@@ -15,12 +15,14 @@ planner's input) trainer.checkpoint.costs.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from trainer.env import REPLICA_GROUP_ENV
 from trainer.checkpoint.backends import make_backend
 from trainer.checkpoint.commit import FsxSaves
 from trainer.checkpoint.costs import SaveCosts
@@ -67,7 +69,10 @@ class CheckpointManager:
             self._saves = FsxSaves(directory, cfg, rank=rank, backend=make_backend(cfg, device), metadata=metadata,
                                    events=events, costs=self.costs, retention=retention, s3=s3,
                                    save_point=save_point, fence=fence, device=device)
-            if rank == 0:
+            # Half-written saves go at start-up, when no save of this job is in flight: with replica groups
+            # another group may be writing one as this group starts (seen: a healed group's start removed the
+            # live group's step-N.tmp mid-save); theirs stay until a start of the whole job.
+            if rank == 0 and not os.environ.get(REPLICA_GROUP_ENV):
                 retention.remove_stale()
                 if s3 is not None:
                     s3.steps()  # fail at start, with the URI named, when the tier cannot be reached
