@@ -46,9 +46,10 @@ from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is
 
 from components.train.local import run_local_training  # noqa: E402
 from components.train.report import read_metrics  # noqa: E402
+from trainer.checkpoint.commit import STALL_FIGURES  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.observe import logs  # noqa: E402
-from trainer.planning.measured import save_stalls  # noqa: E402
+from trainer.planning.measured import MeasuredRun  # noqa: E402
 from trainer.run.events import read_events  # noqa: E402
 from trainer.run.run_dir import RunDir  # noqa: E402
 
@@ -74,9 +75,11 @@ def _throughput(metrics_path: Path, first_step: int) -> tuple[float, int]:
 def _ours(cfg, data: Path) -> tuple[Path, list[dict]]:
     """One run of our trainer: its metrics file and its saves (loop wait, hand-off, background; worst rank)."""
     run_local_training(cfg, data)
-    stalls = save_stalls(cfg.run_dir)
-    background = {e["step"]: e["background_seconds"] for e in read_events(cfg.run_dir, "checkpoint_committed")}
-    saves = [{"step": step, **stall, "background_seconds": background.get(step)} for step, stall in sorted(stalls.items())]
+    measured = MeasuredRun.read(cfg.run_dir)  # one checkpoint_stall record per save: the worst rank's
+    background = {e["step"]: e["background_seconds"] for e in measured.commits}
+    saves = [{"step": stall["step"], **{key: stall.get(key, 0.0) for key in STALL_FIGURES},
+              "background_seconds": background.get(stall["step"])}
+             for stall in sorted(measured.stalls, key=lambda s: s["step"])]
     return RunDir(cfg.run_dir).metrics, saves
 
 

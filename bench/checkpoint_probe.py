@@ -12,6 +12,7 @@ posix_fadvise(DONTNEED) first: works without root, on the files only).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -78,7 +79,11 @@ def _timed(run, cold: bool, folder: Path) -> float:
 
 
 def main() -> int:
-    config_path, data_dir, checkpoint, out = sys.argv[1:5]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in ("config_path", "data_dir", "checkpoint", "out"):
+        parser.add_argument(name)
+    args = parser.parse_args()
+    config_path, data_dir, checkpoint, out = args.config_path, args.data_dir, args.checkpoint, args.out
     cfg = load_config(config_path)
     trainer = Trainer(cfg, Path(data_dir))
     trainer.train_step()  # AdamW creates its state on the first step

@@ -15,6 +15,7 @@ Writes bench/results/network_faults.json.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
@@ -68,6 +69,7 @@ def measure(work: Path, tokens: Path, name: str, schedule: str) -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     problem = netns_problem()
     if problem:
         sys.exit(f"bench/network_faults.py: {problem}")

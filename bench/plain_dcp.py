@@ -14,6 +14,7 @@ save, and how long each write ran after the loop went on).
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -28,7 +29,11 @@ from trainer.job.trainer import Trainer
 
 
 def main() -> int:
-    config_path, data_dir, out = sys.argv[1:4]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in ("config_path", "data_dir", "out"):
+        parser.add_argument(name)
+    args = parser.parse_args()
+    config_path, data_dir, out = args.config_path, args.data_dir, args.out
     cfg = load_config(config_path)
     out = Path(out)
     trainer = Trainer(cfg, Path(data_dir))

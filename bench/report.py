@@ -9,6 +9,7 @@ with its simulation, next to the published anchors.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -641,6 +642,7 @@ def restart_budget_section() -> list[str]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     results = {name: load(f"{name}.json") for name in ("checkpoint", "recovery", "goodput", "staging", "data",
                                                          "pipeline_steps", "straggler", "control_plane")}
     info = next((r["machine"] for r in results.values() if r and "machine" in r), None) or machine()
