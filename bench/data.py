@@ -62,7 +62,8 @@ def _previous(files: list[Path], out: Path, val_fraction: float, tokenizer: str)
     """trainer/data/shards.py::tokenize_files as of commit 697ccd4 (the tokenizing part): every document held."""
     import numpy as np
 
-    from trainer.data.shards import is_held_out, read_documents
+    from trainer.data.documents import read_documents
+    from trainer.data.shards import is_held_out
     from trainer.data.tokenizer import load_tokenizer
 
     loaded = load_tokenizer(tokenizer)
@@ -79,7 +80,7 @@ def _previous(files: list[Path], out: Path, val_fraction: float, tokenizer: str)
 
 def _library_batch(files: list[Path], tokenizer: str) -> float:
     """Seconds for the tokenizers library's encode_batch over every document, already in memory."""
-    from trainer.data.shards import read_documents
+    from trainer.data.documents import read_documents
     from trainer.data.tokenizer import load_tokenizer
 
     documents = list(read_documents(files))

@@ -66,7 +66,7 @@ def test_tokenize_writes_shards_and_reuses_them_when_unchanged(tmp_path):
 def test_bad_jsonl_line_is_named(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"body": "no text field"}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl:2: expected a JSON object with a 'text' field"):
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no 'text' field \(data.text_field\), found \['body'\]"):
         tokenize_files([path], tmp_path / "out", 0.1)
 
 

@@ -40,6 +40,24 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
             except ConfigError as err:
                 problems.append(str(err).removeprefix(f"{name}: "))
         raise ConfigError(f"{name}: {' or '.join(problems)}")
+    if origin is list:
+        [item_type] = typing.get_args(annotation)
+        if isinstance(value, str):  # an override: the list as YAML (JSON is YAML)
+            try:
+                value = yaml.safe_load(value) if value.strip() else []
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{name}: not a YAML list: {err}") from err
+        if not isinstance(value, list):
+            raise ConfigError(f"{name}: expected a list, got {value!r}")
+        return [_coerce(f"{name}[{index}]", item_type, item) for index, item in enumerate(value)]
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name}: expected a mapping of {', '.join(_field_types(annotation))}, got {value!r}")
+        types_ = _field_types(annotation)
+        unknown = [key for key in value if key not in types_]
+        if unknown:
+            raise _unknown("key", f"{name}.{unknown[0]}", [f"{name}.{k}" for k in types_])
+        return annotation(**{key: _coerce(f"{name}.{key}", types_[key], item) for key, item in value.items()})
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -37,3 +37,15 @@ def check_s3_uri(uri: str, name: str) -> None:
                    "prefix or suffix)")
     require("//" not in prefix.rstrip("/") and not prefix.startswith("/"), name,
              f"prefix {prefix!r} has an empty segment ('//'): S3 keys would not match the folders staged")
+
+
+def is_s3_uri(value: str) -> bool:
+    return value.startswith("s3://")
+
+
+def staged_folder_name(uri: str) -> str:
+    """The folder an S3 prefix is staged into below <fsx_root>/models: its last segment (the bucket's name for
+    the bucket's root), with characters a folder name should not have replaced by '-'."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    last = prefix.strip("/").rsplit("/", 1)[-1] or bucket
+    return re.sub(r"[^A-Za-z0-9._-]", "-", last)

@@ -1,11 +1,10 @@
-"""The sections the trainer reads: run, data, model (with its presets), training, checkpoint (resilience and
-faults: trainer.config.resilience)."""
+"""The sections the trainer reads: run, training, checkpoint (data: trainer.config.data; model and its presets:
+trainer.config.model; resilience and faults: trainer.config.resilience)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from trainer.config.rules import RUN_ID_PATTERN, check_s3_uri, require
 
@@ -35,137 +34,6 @@ class RunConfig:
                 f"{self.run_id!r} must be 1-63 lowercase letters, digits or '-', starting with a letter or digit")
         require(bool(self.work_dir), "run.work_dir", "must not be empty")
         require(self.seed >= 0, "run.seed", "must be >= 0")
-
-
-@dataclass
-class DataConfig:
-    """Where the training data comes from (S3) and where the trainer reads it (the FSx mount)."""
-
-    s3_uri: str = "s3://resilient-train-data/datasets/demo"
-    """S3 prefix holding the raw text (*.txt, *.jsonl with a "text" field) to stage, as s3://bucket/prefix."""
-
-    fsx_root: str = ""
-    """FSx for Lustre mount path (a local directory locally); empty means <run.work_dir>/fsx."""
-
-    dataset_name: str = "demo"
-    """Folder under <fsx_root>/datasets that receives the staged files and token shards."""
-
-    s3_endpoint_url: str = ""
-    """S3 endpoint override (e.g. an S3-compatible server); empty uses boto3's standard resolution
-    (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, then AWS)."""
-
-    tokenizer: str = "byte"
-    """'byte' (built-in byte-level tokenizer, no files) or a folder with an HF tokenizer.json."""
-
-    val_fraction: float = 0.05
-    """Fraction of the documents held out for evaluation (chosen deterministically by document hash)."""
-
-    max_workers: int = 8
-    """Parallel S3 downloads during staging."""
-
-    tokenize_tasks: int = 1
-    """Tasks that tokenize the staged text (a dsl.ParallelFor, one pod each on EKS), each a group of whole files
-    into one token shard: the same tokens and content hash for any number. Raise it for a corpus beyond one pod."""
-
-    stage_mode: Literal["copy", "dra"] = "copy"
-    """'copy': parallel verified download onto any POSIX path (local disk, NVMe, EFS, the local demo);
-    'dra': link the FSx for Lustre file system to the S3 prefix with a Data Repository Association and
-    import its metadata (file contents load on first read, or are preloaded)."""
-
-    delete_removed: bool = False
-    """Copy mode: delete staged files whose objects are no longer in S3."""
-
-    fsx_file_system_id: str = ""
-    """DRA mode: the FSx for Lustre file system mounted at fsx_root (fs-…)."""
-
-    dra_auto_import: str = "NEW,CHANGED,DELETED"
-    """DRA mode: S3 events the file system imports automatically (comma-separated; empty = none)."""
-
-    dra_import_timeout_seconds: float = 3600.0
-    """DRA mode: the longest wait for the DRA to become AVAILABLE and for the metadata import task."""
-
-    dra_poll_seconds: float = 15.0
-    """DRA mode: first polling interval for DRA and task state (doubles up to 8x)."""
-
-    preload: bool = True
-    """DRA mode: preload file contents with `lfs hsm_restore` when the lfs tool exists (else lazy load)."""
-
-    require_lustre_mount: bool = True
-    """DRA mode: refuse to stage unless fsx_root is a Lustre mount (false only for dry runs and tests)."""
-
-    on_bad_key: Literal["fail", "skip"] = "fail"
-    """What to do with an S3 key that cannot safely become a file below the dataset folder ('..', '.', empty
-    segments, NUL, a segment over NAME_MAX, a file that other keys use as a folder, two keys on one path):
-    'fail' the stage naming the keys, or 'skip' them with a warning (counted in the stage manifest)."""
-
-    def __post_init__(self) -> None:
-        require(self.stage_mode in ("copy", "dra"), "data.stage_mode", "must be 'copy' or 'dra'")
-        if self.stage_mode == "dra":
-            require(re.fullmatch(r"fs-[0-9a-f]{8,17}", self.fsx_file_system_id) is not None,
-                     "data.fsx_file_system_id", "must be an FSx file system id (fs-0123456789abcdef0) in dra mode")
-        events = [e.strip() for e in self.dra_auto_import.split(",") if e.strip()]
-        require(all(e in ("NEW", "CHANGED", "DELETED") for e in events), "data.dra_auto_import",
-                 "must list NEW, CHANGED and/or DELETED")
-        require(self.dra_import_timeout_seconds > 0, "data.dra_import_timeout_seconds", "must be > 0")
-        require(self.dra_poll_seconds > 0, "data.dra_poll_seconds", "must be > 0")
-        require(self.on_bad_key in ("fail", "skip"), "data.on_bad_key", "must be 'fail' or 'skip'")
-        check_s3_uri(self.s3_uri, "data.s3_uri")
-        require(bool(re.match(r"^[A-Za-z0-9._-]+$", self.dataset_name)), "data.dataset_name",
-                f"{self.dataset_name!r} must be a plain folder name (letters, digits, '.', '_', '-')")
-        require(0.0 < self.val_fraction < 0.5, "data.val_fraction", "must be in (0, 0.5)")
-        require(self.max_workers >= 1, "data.max_workers", "must be >= 1")
-        require(1 <= self.tokenize_tasks <= 10000, "data.tokenize_tasks", "must be in [1, 10000]")
-
-    @property
-    def bucket(self) -> str:
-        return self.s3_uri[len("s3://") :].split("/", 1)[0]
-
-    @property
-    def prefix(self) -> str:
-        parts = self.s3_uri[len("s3://") :].split("/", 1)
-        return parts[1].strip("/") if len(parts) > 1 else ""
-
-
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # A few M params: the CPU demo and the tests.
-    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
-                 num_key_value_heads=4, max_position_embeddings=512, rope_theta=10000.0,
-                 tie_word_embeddings=False),
-    # ~100 M params with the byte vocabulary: CPU benchmarks.
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
-                  num_key_value_heads=4, max_position_embeddings=2048, rope_theta=500000.0,
-                  tie_word_embeddings=False),
-    # Llama-3.2-1B's shape.
-    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
-                      tie_word_embeddings=True),
-    # Llama-3.1-8B's shape.
-    "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
-                        tie_word_embeddings=False),
-}
-
-
-@dataclass
-class ModelConfig:
-    """The Llama-architecture model."""
-
-    preset: Literal["tiny", "small", "llama3-1b", "llama3.1-8b"] = "tiny"
-    """Architecture preset (layer count and widths); see MODEL_PRESETS. Ignored when init_from is set."""
-
-    init_from: str = ""
-    """HF-format weights folder (config.json + *.safetensors, e.g. staged onto FSx) to start from;
-    empty starts from random weights. A checkpoint to resume from takes precedence."""
-
-    vocab_size: int = 0
-    """Vocabulary size; 0 means the tokenizer's (the built-in byte tokenizer has 258)."""
-
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
-
-    def __post_init__(self) -> None:
-        require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {sorted(MODEL_PRESETS)}")
-        require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0")
 
 
 @dataclass

@@ -15,10 +15,15 @@ import yaml
 from trainer.config.drills import NETWORK_FAULTS, parse_schedule, unfirable
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.resilience import FaultsConfig, ResilienceConfig
-from trainer.config.rules import require
+from trainer.config.rules import is_s3_uri, require, staged_folder_name
 from trainer.config.timeouts import check_timeouts
-from trainer.config.training import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainingConfig
+from trainer.config.data import DataConfig
+from trainer.config.model import ModelConfig
+from trainer.config.training import CheckpointConfig, RunConfig, TrainingConfig
 from trainer.run.run_dir import RunDir
+
+
+STAGED_FILES = "hf"  # below <fsx_root>/models/<name>/: a staged model's or tokenizer's own files
 
 
 @dataclass
@@ -82,6 +87,29 @@ class Config:
     @property
     def dataset_dir(self) -> Path:
         return self.fsx_root / "datasets" / self.data.dataset_name
+
+    def dataset_dir_of(self, name: str) -> Path:
+        """A corpus's folder: its staged files (raw/), token shards and stage manifest."""
+        return self.fsx_root / "datasets" / name
+
+    def staged_model_dir(self, uri: str) -> Path:
+        """Where the stage step puts a model or tokenizer S3 prefix: <fsx_root>/models/<last segment>/, the files
+        in hf/ beside its stage manifest and the weights' index."""
+        return self.fsx_root / "models" / staged_folder_name(uri)
+
+    @property
+    def base_model_dir(self) -> Path | None:
+        """The base model's HF folder the trainer reads: model.init_from, or hf/ of where the stage step put it."""
+        init = self.model.init_from
+        if not init:
+            return None
+        return self.staged_model_dir(init) / STAGED_FILES if is_s3_uri(init) else Path(init).expanduser()
+
+    @property
+    def tokenizer_spec(self) -> str:
+        """data.tokenizer as the tokenizing steps load it: 'byte', a folder, or the staged copy of an S3 prefix."""
+        spec = self.data.tokenizer
+        return str(self.staged_model_dir(spec) / STAGED_FILES) if is_s3_uri(spec) else spec
 
     @property
     def run_dir(self) -> Path:
