@@ -65,7 +65,8 @@ def metric_rows(records: Iterable[dict[str, float]], step_key: str = "step") -> 
     """Per-step dicts ({'step': 3, 'loss': …, 'time': …}) -> [key, value, timestamp_ms, step] rows."""
     now = time.time()
     return [[key, float(value), int(record.get("time", now) * 1000), int(record[step_key])]
-            for record in records for key, value in record.items() if key not in (step_key, "time")]
+            for record in records for key, value in record.items()
+            if key not in (step_key, "time") and not isinstance(value, (list, dict))]  # (a step's skipped ranges)
 
 
 class Tracker:

@@ -70,14 +70,16 @@ def test_bad_jsonl_line_is_named(tmp_path):
         tokenize_files([path], tmp_path / "out", 0.1)
 
 
-def test_batches_depend_only_on_seed_step_micro_and_rank(tmp_path):
+def test_batches_depend_only_on_seed_and_the_sample_indices(tmp_path):
     tokenize_files(_write_corpus(tmp_path / "raw"), tmp_path / "tok", 0.1)
     batches = TokenBatches.open(tmp_path / "tok", "train", seq_len=16, batch_size=4, seed=7)
-    x1, y1 = batches.batch(step=5, micro_step=0, rank=1)
-    x2, y2 = TokenBatches.open(tmp_path / "tok", "train", 16, 4, seed=7).batch(5, 0, 1)
+    x1, y1 = batches.batch(first_sample=40, micro_step=0, rank=1, ranks=2)
+    x2, y2 = TokenBatches.open(tmp_path / "tok", "train", 16, 4, seed=7).batch(40, 0, 1, 2)
     np.testing.assert_array_equal(x1, x2)
     np.testing.assert_array_equal(x1[:, 1:], y1[:, :-1])  # labels are inputs shifted by one
-    assert not np.array_equal(x1, batches.batch(5, 0, 0)[0])  # ranks see different data
+    assert not np.array_equal(x1, batches.batch(40, 0, 0, 2)[0])  # ranks see different data
+    np.testing.assert_array_equal(x1, batches.samples(np.arange(44, 48))[0])  # rank 1's slice of the step
+    assert not np.array_equal(x1, TokenBatches.open(tmp_path / "tok", "train", 16, 4, seed=8).batch(40, 0, 1, 2)[0])
     assert x1.shape == (4, 16) and x1.dtype == np.int64
 
 
@@ -186,11 +188,11 @@ def test_a_split_in_several_shards_reads_as_their_concatenation(tmp_path):
 
     single = TokenBatches.open(one, "train", seq_len=16, batch_size=4, seed=7)
     sharded = TokenBatches.open(many, "train", seq_len=16, batch_size=4, seed=7)
-    assert len(sharded.tokens) == len(train)
+    assert len(sharded.corpora[0].tokens) == len(train)
     for start in (0, 990, 995, 1000, 1001, 1002, len(train) - 17):  # across each boundary
-        np.testing.assert_array_equal(sharded.tokens[start:start + 17], train[start:start + 17])
+        np.testing.assert_array_equal(sharded.corpora[0].tokens[start:start + 17], train[start:start + 17])
     for step in range(20):
-        for a, b in zip(single.batch(step, 0, 1), sharded.batch(step, 0, 1)):
+        for a, b in zip(single.batch(8 * step, 0, 1, 2), sharded.batch(8 * step, 0, 1, 2)):
             np.testing.assert_array_equal(a, b)
     for (a, _), (b, _) in zip(single.sequential(8), sharded.sequential(8)):
         np.testing.assert_array_equal(a, b)

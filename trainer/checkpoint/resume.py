@@ -74,7 +74,7 @@ class ResumeChoice:
         try:
             prehashed = self._prefetch.verified_files(path) if self._prefetch is not None else set()
             with self._phase("restore_fsx"):
-                stats = load_checkpoint(state, path, optional=("rng",), prehashed=prehashed)  # verifies as it reads
+                stats = load_checkpoint(state, path, optional=("rng", "data"), prehashed=prehashed)  # verifies as it reads
         except CheckpointError as err:  # raised on every rank alike: DCP gathers every rank's read errors
             log.warning("skipping checkpoint %s (step %s): %s", path, disk_step, err)
             if self._rank == 0:

@@ -1,7 +1,17 @@
-"""Deterministic per-rank batches from the token shards (trainer.data.shards writes them).
+"""A split of the token data as windows, and the batches ranks train on (trainer.data.shards writes the shards).
 
-A batch is a function of (seed, step, micro-step, rank) only, so resuming at step k needs no saved
-iterator state and replays exactly the batches an uninterrupted run would have seen.
+    batches = TokenBatches.open(data_dir, "train", seq_len=..., batch_size=..., seed=...)
+    inputs, labels = batches.batch(first_sample, micro_step, rank, ranks)
+
+Each corpus's split is one token stream (documents framed BOS ... EOS, one after another), cut into windows of
+seq_len + 1 tokens every seq_len tokens, so every token but the first is a target once per epoch and no window
+crosses from one split into the other (the splits are separate streams). The k-th global sample is a window chosen
+by (seed, k) alone (trainer.data.samples: the corpora interleaved by weight, each corpus's windows a new
+permutation every epoch). A step trains the global samples [first_sample, first_sample + global batch): micro-step
+m, rank r of R takes its batch_size samples from the m-th R x batch_size of them. The trainer keeps first_sample
+in its checkpoints, so a resume at another world size, or with fewer replica groups, goes on with the next sample.
+
+A data folder holds one corpus's tokens.json, or a mixture's (``"mixture"``: each corpus's folder and weight).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from typing import Iterable
 
 import numpy as np
 
+from trainer.data.samples import Mixture, epoch_key, permute
 from trainer.data.shards import META_FILE, DataError, load_meta, shard_files
 
 
@@ -38,45 +49,115 @@ class _Concatenated:
         return np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
 
 
+@dataclass
+class Corpus:
+    """One corpus's split as windows: window i is tokens [i * seq_len, i * seq_len + seq_len + 1)."""
+
+    name: str
+    tokens: np.ndarray
+    seq_len: int
+    weight: float
+
+    @property
+    def windows(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def window(self, index: int) -> np.ndarray:
+        start = int(index) * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+
+def _open_corpus(data_dir: Path, split: str, seq_len: int, name: str, weight: float) -> Corpus:
+    meta = load_meta(data_dir)
+    if split not in meta["splits"]:
+        raise DataError(f"{data_dir}: no {split!r} split in {META_FILE}")
+    paths = [Path(data_dir) / file for file in shard_files(meta["splits"][split])]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise DataError(f"{Path(data_dir) / META_FILE} lists {', '.join(missing)}, which does not exist: "
+                        "stage the dataset again")
+    parts = [np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r") for p in paths if p.stat().st_size]
+    tokens = parts[0] if len(parts) == 1 else _Concatenated(parts)  # (none: fewer tokens than a window)
+    where = paths[0] if len(paths) == 1 else f"{paths[0].parent}/{'+'.join(p.name for p in paths)}"
+    if len(tokens) < seq_len + 2:
+        raise DataError(f"{where} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
+    return Corpus(name, tokens, seq_len, weight)
+
+
+def open_corpora(data_dir: Path, split: str, seq_len: int) -> list[Corpus]:
+    """The corpora of a data folder: its own shards, or each corpus a mixture's tokens.json names."""
+    data_dir = Path(data_dir)
+    meta = load_meta(data_dir)
+    if "mixture" not in meta:
+        return [_open_corpus(data_dir, split, seq_len, data_dir.name, 1.0)]
+    return [_open_corpus(data_dir / part["dir"], split, seq_len, part["name"], float(part["weight"]))
+            for part in meta["mixture"]]
+
 
 @dataclass
 class TokenBatches:
-    """Random fixed-length windows from one split, chosen by (seed, step, micro_step, rank)."""
+    """The samples of one split, in the order of (seed, global sample index)."""
 
-    tokens: np.ndarray
+    corpora: list[Corpus]
     seq_len: int
     batch_size: int
     seed: int
 
+    def __post_init__(self) -> None:
+        self.mixture = Mixture([corpus.weight for corpus in self.corpora])
+
     @classmethod
     def open(cls, data_dir: Path, split: str, seq_len: int, batch_size: int, seed: int) -> "TokenBatches":
-        meta = load_meta(data_dir)
-        if split not in meta["splits"]:
-            raise DataError(f"{data_dir}: no {split!r} split in {META_FILE}")
-        paths = [Path(data_dir) / name for name in shard_files(meta["splits"][split])]
-        missing = [str(p) for p in paths if not p.is_file()]
-        if missing:
-            raise DataError(f"{Path(data_dir) / META_FILE} lists {', '.join(missing)}, which does not exist: "
-                            "stage the dataset again")
-        parts = [np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r") for p in paths if p.stat().st_size]
-        tokens = parts[0] if len(parts) == 1 else _Concatenated(parts)  # (none: fewer tokens than a window)
-        path = paths[0] if len(paths) == 1 else f"{paths[0].parent}/{'+'.join(p.name for p in paths)}"
-        if len(tokens) < seq_len + 2:
-            raise DataError(f"{path} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
-        return cls(tokens=tokens, seq_len=seq_len, batch_size=batch_size, seed=seed)
+        return cls(open_corpora(data_dir, split, seq_len), seq_len, batch_size, seed)
 
-    def batch(self, step: int, micro_step: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, labels) of shape [batch_size, seq_len] as int64."""
-        rng = np.random.default_rng([self.seed, step, micro_step, rank])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
-        windows = np.stack([np.asarray(self.tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in starts])
-        return windows[:, :-1], windows[:, 1:]
+    def windows_of(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(corpus, window) of each global sample index."""
+        corpora, drawn = self.mixture.locate(samples)
+        windows = np.empty_like(drawn)
+        for index, corpus in enumerate(self.corpora):
+            mine = corpora == index
+            if not mine.any():
+                continue
+            epochs, positions = np.divmod(drawn[mine], corpus.windows)
+            picked = np.empty_like(positions)
+            for epoch in np.unique(epochs):
+                same = epochs == epoch
+                picked[same] = permute(positions[same], corpus.windows, epoch_key(self.seed, index, int(epoch)))
+            windows[mine] = picked
+        return corpora, windows
+
+    def samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, labels) of shape [len(samples), seq_len] as int64."""
+        corpora, windows = self.windows_of(np.asarray(samples, dtype=np.int64))
+        rows = np.stack([self.corpora[c].window(w) for c, w in zip(corpora, windows)])
+        return rows[:, :-1], rows[:, 1:]
+
+    def batch(self, first_sample: int, micro_step: int, rank: int, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+        """A rank's micro-batch of the step whose samples start at first_sample."""
+        return self.samples(rank_samples(first_sample, micro_step, rank, ranks, self.batch_size))
+
+    def drawn(self, consumed: int) -> dict[str, int]:
+        """Samples taken from each corpus by the first `consumed` samples of the stream."""
+        return dict(zip((c.name for c in self.corpora), self.mixture.drawn(consumed)))
+
+    def epochs(self, consumed: int) -> dict[str, float]:
+        """Each corpus's epochs (fractional) by the first `consumed` samples: 1.0 when each window was seen once."""
+        return {c.name: drawn / c.windows for c, drawn in zip(self.corpora, self.mixture.drawn(consumed))}
 
     def sequential(self, max_batches: int) -> Iterable[tuple[np.ndarray, np.ndarray]]:
-        """Non-overlapping windows from the start, for evaluation (same batches every time)."""
-        span = self.seq_len + 1
-        count = min(max_batches * self.batch_size, len(self.tokens) // span)
-        for first in range(0, count, self.batch_size):
-            rows = range(first, min(first + self.batch_size, count))
-            windows = np.stack([np.asarray(self.tokens[r * span : (r + 1) * span], dtype=np.int64) for r in rows])
-            yield windows[:, :-1], windows[:, 1:]
+        """The first windows of each corpus in mixing order, unpermuted (evaluation: the same batches every time)."""
+        count = max_batches * self.batch_size
+        corpora, drawn = self.mixture.locate(np.arange(count))
+        keep = drawn < np.array([c.windows for c in self.corpora])[corpora]  # a small corpus runs out: skipped
+        corpora, drawn = corpora[keep], drawn[keep]
+        for first in range(0, len(corpora), self.batch_size):
+            rows = np.stack([self.corpora[c].window(w) for c, w in zip(corpora[first:first + self.batch_size],
+                                                                        drawn[first:first + self.batch_size])])
+            yield rows[:, :-1], rows[:, 1:]
+
+
+def rank_samples(first_sample: int, micro_step: int, rank: int, ranks: int, batch_size: int) -> np.ndarray:
+    """The global sample indices of one rank's micro-batch: the step's micro_step-th slice of ranks x batch_size,
+    this rank's batch_size of it."""
+    start = first_sample + (micro_step * ranks + rank) * batch_size
+    return np.arange(start, start + batch_size, dtype=np.int64)

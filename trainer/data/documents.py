@@ -203,7 +203,7 @@ class _Decompressor:
 
 def _compressed_line_chunks(path: Path, kind: str) -> Iterator[Chunk]:
     """Decompressed in this process (a compressed stream has no byte ranges to hand out), cut at line ends."""
-    import zstandard
+    import zstandard  # only for compressed corpora (its error type, for gzip files too)
 
     decompressor, offset, carried, line = _Decompressor(kind), 0, b"", 1
     name = "gzip" if kind == ".jsonl.gz" else "zstd"

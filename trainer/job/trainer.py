@@ -55,6 +55,7 @@ class Trainer:
         self.in_process = in_process
         self.data_dir = Path(data_dir)
         self.step = 0  # optimizer steps completed
+        self.next_sample = 0  # the global sample index the next step starts at (trainer.data.batches)
         self.last_loss = float("nan")
         started = start_process(cfg, self.data_dir, in_process, step_of=lambda: self.step)
         # the process in its job
@@ -84,6 +85,7 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"model": model_state, "optim": optim_state,
                 "trainer": {"step": torch.tensor(self.step), "last_loss": torch.tensor(self.last_loss)},
+                "data": {"next_sample": torch.tensor(self.next_sample)},
                 "rng": {f"rank{self.rank}": rng}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -91,6 +93,10 @@ class Trainer:
                        optim_state_dict=state["optim"])
         self.step = int(state["trainer"]["step"])
         self.last_loss = float(state["trainer"]["last_loss"])
+        # A checkpoint written before the sample order was kept (it has no data.next_sample) continues at the
+        # position its steps would have reached at this global batch.
+        stored = state.get("data", {}).get("next_sample")
+        self.next_sample = int(stored) if stored is not None else self.step * self.global_batch
         rng = state["rng"].get(f"rank{self.rank}")
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
@@ -101,7 +107,7 @@ class Trainer:
         """What a healing replica group takes from this rank (its peer rank in a live group holds the same
         shards): the local shards of the parameters and of AdamW's state, the step and the last loss."""
         params = list(self.model.parameters())
-        return {"step": self.step, "last_loss": self.last_loss,
+        return {"step": self.step, "last_loss": self.last_loss, "next_sample": self.next_sample,
                 "params": [_local(p.detach()) for p in params],
                 "optim": [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]}
 
@@ -111,7 +117,7 @@ class Trainer:
                 _local(p).copy_(value)
                 for key, tensor in optim.items():
                     _local(self.optimizer.state[p][key]).copy_(tensor)
-        self.step, self.last_loss = int(state["step"]), float(state["last_loss"])
+        self.step, self.last_loss, self.next_sample = int(state["step"]), float(state["last_loss"]), int(state["next_sample"])
 
     def resume(self) -> None:
         """Take up the newest state there is; the checkpoint manager decides which (and says why)."""
@@ -162,8 +168,9 @@ class Trainer:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=self.device)
         # Timed sections (trainer.resilience.straggler): each rank's own work; the loss's all-reduce stays out.
+        first_sample = self.next_sample
         with self.resilience.section("data"):
-            micro_batches = [self.batches.batch(self.step, micro, self.global_rank)
+            micro_batches = [self.batches.batch(first_sample, micro, self.global_rank, self.data_parallel_ranks)
                              for micro in range(t.grad_accum_steps)]
         data_seconds = time.perf_counter() - started
         with self.resilience.section("forward_backward"):
@@ -189,19 +196,49 @@ class Trainer:
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         loss_sum = self.replica_groups.average_across_groups(loss_sum)
         self.step += 1
+        self.next_sample = first_sample + self.global_batch
         replicas_equal = self.replica_groups.replicas_equal(self.model, self.step)
         self.last_loss = loss_sum.item() / t.grad_accum_steps
         seconds = time.perf_counter() - started
-        participants = self.replica_groups.participants
-        samples_per_group = t.batch_size * t.grad_accum_steps * self.world_size
-        tokens = samples_per_group * t.seq_len * participants
+        skipped = self._skipped_samples(first_sample)
+        samples_skipped = sum(end - start for start, end in skipped)
+        tokens = (self.global_batch - samples_skipped) * t.seq_len
         return {"step": self.step, "loss": self.last_loss, "lr": lr,
                 # what this step trained, and what the groups missing from it did not (replica groups)
-                "samples": samples_per_group * participants,
-                "samples_skipped": samples_per_group * (self.replica_groups.groups - participants),
+                "samples": self.global_batch - samples_skipped, "samples_skipped": samples_skipped,
                 "grad_norm": float(grad_norm), "step_seconds": seconds, "data_seconds": data_seconds,
-                "tokens_per_second": tokens / seconds, **self.replica_groups.figures(),
+                "tokens_per_second": tokens / seconds, **self._stream_position(first_sample),
+                **({"skipped_samples": skipped} if skipped else {}), **self.replica_groups.figures(),
                 **({"replicas_equal": replicas_equal} if replicas_equal is not None else {})}
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """Every rank of every replica group: a step's samples are split over all of them."""
+        return self.world_size * self.replica_groups.groups
+
+    @property
+    def global_batch(self) -> int:
+        """Samples a step takes from the stream (trained, or skipped by a replica group missing from it)."""
+        return self.cfg.training.batch_size * self.cfg.training.grad_accum_steps * self.data_parallel_ranks
+
+    def _stream_position(self, first_sample: int) -> dict[str, float]:
+        """Where the step left the sample stream: its first index, the samples and tokens taken so far, and each
+        corpus's samples and epochs (fractional: 1.0 when each of its windows was drawn once)."""
+        epochs = self.batches.epochs(self.next_sample)
+        return {"first_sample": first_sample, "samples_seen": self.next_sample,
+                "tokens_seen": self.next_sample * self.cfg.training.seq_len, "epoch": max(epochs.values()),
+                **{f"samples/{name}": count for name, count in self.batches.drawn(self.next_sample).items()},
+                **{f"epoch/{name}": epoch for name, epoch in epochs.items()}}
+
+    def _skipped_samples(self, first_sample: int) -> list[list[int]]:
+        """The global indices [start, end) of the step's samples that replica groups missing from it did not train:
+        each missing group's slice of every micro-batch."""
+        taking_part = set(self.replica_groups.participating_groups)
+        slice_ = self.cfg.training.batch_size * self.world_size  # a group's share of one micro-batch
+        return [[start, start + slice_]
+                for micro in range(self.cfg.training.grad_accum_steps)
+                for group in range(self.replica_groups.groups) if group not in taking_part
+                for start in [first_sample + (micro * self.replica_groups.groups + group) * slice_]]
 
     def should_continue_training(self) -> bool:
         return self.step < self.cfg.training.num_steps

@@ -81,6 +81,11 @@ class Single:
         return 1
 
     @property
+    def participating_groups(self) -> list[int]:
+        """The groups taking part in this step (their share of its samples is trained; the others' is skipped)."""
+        return [0]
+
+    @property
     def writes_run_files(self) -> bool:
         return True
 
@@ -295,6 +300,10 @@ class TorchftGroups(Single):
     @property
     def participants(self) -> int:
         return self.manager.num_participants()
+
+    @property
+    def participating_groups(self) -> list[int]:
+        return sorted(group_of_replica_id(i) for i in self._members) if self._members else [self.group]
 
     @property
     def writes_run_files(self) -> bool:
