@@ -17,6 +17,7 @@ from typing import Any, Iterator
 
 from components import tracking
 from trainer.config import Config, config_from_yaml_text
+from trainer.config.rules import InputError
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 
@@ -61,6 +62,7 @@ def step_context(cfg: Config, name: str, *, one_per_pipeline_run: bool = False
         yield mlflow, run
     except BaseException as err:
         write_json(run_dir.step_error(name), {"step": name, "error_type": type(err).__name__, "message": str(err),
+                                              "input_error": isinstance(err, InputError),
                                               "traceback": traceback.format_exc()})
         mlflow.set_tags(run, {"failure_reason": f"{type(err).__name__}: {err}"[:5000]})
         mlflow.end_run(run, "FAILED")

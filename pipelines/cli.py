@@ -39,20 +39,28 @@ from pipelines.plan import __doc__ as plan_doc
 from pipelines.plan import add_arguments as add_plan_arguments
 from pipelines.plan import plan_command
 from trainer.config import Config, ConfigError, load_config
+from trainer.config.rules import InputError
 from trainer.observe import logs
 from trainer.planning.goodput import PlanError
 from trainer.run.run_dir import RunDir
 
 
 def stage_command(cfg: Config) -> int:
-    """The stage step alone (pre-warming FSx, or trying a dataset): 0 staged, 1 failed."""
+    """The stage step alone (pre-warming FSx, or trying a dataset): 0 staged, 2 the inputs are unusable (a bad base
+    model, tokenizer or corpus: the message names the field or file), 1 another failure."""
     try:
         staged, manifest = stage_locally(cfg)
     except STAGE_ERRORS as err:
         print(f"error: stage failed: {err}", file=sys.stderr)
-        return 1
-    print(f"staged {cfg.data.s3_uri} ({staged['mode']} mode) into {staged['data_dir']}: {staged['objects']} "
+        return 2 if isinstance(err, InputError) else 1
+    for model in staged["models"]:
+        print(f"staged {model['s3_uri']} ({model['kind']}) into {model['dir']}: {model['object_count']} objects, "
+              f"{model['bytes']} bytes, {model['downloaded']} downloaded"
+              + (f", {model['parameters'] / 1e6:.1f} M parameters, content hash {model['content_hash']}"
+                 if model["kind"] == "model" else ""))
+    print(f"staged {staged['s3_uri']} ({staged['mode']} mode) into {staged['data_dir']}: {staged['objects']} "
           f"objects, {staged['bytes']} bytes, {staged['downloaded']} downloaded, {staged['skipped']} key(s) skipped, "
+          f"{staged['unknown_files']} file(s) of no document format skipped, "
           f"{staged['train_tokens']} train / {staged['val_tokens']} held-out tokens")
     print(manifest)  # last line: the manifest's path, for scripts
     return 0
@@ -230,4 +238,6 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = run_locally(cfg, verbose=args.verbose)
     print_summary(summary, RunDir(cfg.run_dir).summary)
-    return 0 if summary["status"] == "succeeded" else 1
+    if summary["status"] == "succeeded":
+        return 0
+    return 2 if any(error.get("input_error") for error in summary["errors"]) else 1

@@ -25,7 +25,7 @@ from pipelines.demo_data import DemoUploadError, upload_demo_data
 from pipelines.local_stack import LocalStackError, S3Server
 from pipelines.pipeline import build_pipeline
 from trainer.config import Config
-from trainer.data.shards import DataError
+from trainer.config.rules import InputError
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 
@@ -90,10 +90,11 @@ def failed_before_start(cfg: Config, step: str, err: Exception) -> dict:
 
 def stage_locally(cfg: Config) -> tuple[dict, Path]:
     """The stage step alone (pre-warming FSx, or trying a dataset): what was staged and its manifest's path.
-    Raises StageError, FsxError, DataError, DemoUploadError or LocalStackError."""
+    Raises StageError, FsxError, InputError (a bad base model, tokenizer or corpus), DemoUploadError or
+    LocalStackError."""
     with embedded_stack(cfg, cfg.work_dir / "logs"):
         staged = run_stage(cfg)
     return staged, Path(staged["data_dir"]) / STAGE_MANIFEST
 
 
-STAGE_ERRORS = (StageError, FsxError, DataError, DemoUploadError, LocalStackError)
+STAGE_ERRORS = (StageError, FsxError, InputError, DemoUploadError, LocalStackError)

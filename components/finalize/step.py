@@ -95,7 +95,8 @@ def _errors(cfg: Config, run_dir: RunDir, steps: dict[str, Any]) -> list[dict[st
     for path in error_files:
         error = read_json(path)
         if not any(e["step"] == error["step"] for e in errors):
-            errors.append({"step": error["step"], "error_type": error["error_type"], "message": error["message"]})
+            errors.append({"step": error["step"], "error_type": error["error_type"], "message": error["message"],
+                           "input_error": bool(error.get("input_error"))})
     return errors
 
 

@@ -8,8 +8,8 @@ from kfp.dsl import Dataset, Input, Output
 
 def fingerprint_data(config_json: str, overrides: list) -> NamedTuple("Outputs", [("fingerprint", str),
                                                                                ("stage_config", str)]):
-    """The S3 prefix's listing hash (keys, sizes, ETags) and the staging-only config: together the stage
-    step's cache key, free of per-run values. Never fails."""
+    """The staged S3 prefixes' listing hash (keys, sizes, ETags: each corpus, the base model, the tokenizer) and
+    the staging-only config: together the stage step's cache key, free of per-run values. Never fails."""
     # Imports inside: KFP runs this function's source alone in the task.
     from collections import namedtuple
 
@@ -20,7 +20,7 @@ def fingerprint_data(config_json: str, overrides: list) -> NamedTuple("Outputs",
 
     logs.configure()
     cfg = resolve_config(config_json, overrides, "fingerprint")
-    return namedtuple("Outputs", ["fingerprint", "stage_config"])(data_fingerprint(cfg.data), staging_config_json(cfg))
+    return namedtuple("Outputs", ["fingerprint", "stage_config"])(data_fingerprint(cfg), staging_config_json(cfg))
 
 
 def stage_data(stage_config: str, data_fingerprint: str, staged: Output[Dataset]) -> List[str]:

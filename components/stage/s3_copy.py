@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from components.stage.fsx import REPORT_DIR
 from components.stage.object_paths import BadKey, inside, map_objects
+from trainer.config.rules import InputError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,11 @@ class StageError(RuntimeError):
     """The data cannot be staged; the message names the S3 location or file and what to do."""
 
 
+class StageInputError(StageError, InputError):
+    """What the config points at cannot be staged as it is (no such bucket or prefix, no access, keys that
+    cannot become files, files of no known format): the user must change the data or the config."""
+
+
 def s3_client(endpoint_url: str = "", max_workers: int = 8):
     """A boto3 S3 client with bounded standard retries (throttling and 5xx are retried, then surface)."""
     return boto3.client("s3", endpoint_url=endpoint_url or None,
@@ -48,7 +54,7 @@ def s3_client(endpoint_url: str = "", max_workers: int = 8):
                                           max_pool_connections=max(10, max_workers * 2)))
 
 
-def s3_error(err: Exception, where: str) -> StageError:
+def s3_error(err: Exception, where: str, field: str = "data.s3_uri") -> StageError:
     """A botocore error as a StageError that says what to do."""
     if isinstance(err, EndpointConnectionError):
         return StageError(f"cannot reach the S3 endpoint for {where}: {err} "
@@ -57,10 +63,10 @@ def s3_error(err: Exception, where: str) -> StageError:
         code = err.response.get("Error", {}).get("Code", "")
         status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code in ("404", "NoSuchBucket"):
-            return StageError(f"{where}: the S3 bucket does not exist (data.s3_uri): create it and upload the "
-                              "data, or fix data.s3_uri")
+            return StageInputError(f"{where}: the S3 bucket does not exist ({field}): create it and upload the "
+                                   f"data, or fix {field}")
         if code in ("403", "AccessDenied"):
-            return StageError(f"{where}: access denied (data.s3_uri): grant this role s3:ListBucket on the bucket "
+            return StageInputError(f"{where}: access denied ({field}): grant this role s3:ListBucket on the bucket "
                               "and s3:GetObject on the prefix")
         if code in ("SlowDown", "Throttling", "RequestLimitExceeded") or status >= 500:
             return StageError(f"{where}: S3 kept failing after the retries ({code or status}); try again later "
@@ -75,7 +81,7 @@ def parse_s3_uri(s3_uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
-def list_objects(client, bucket: str, prefix: str) -> list[dict[str, Any]]:
+def list_objects(client, bucket: str, prefix: str, field: str = "data.s3_uri") -> list[dict[str, Any]]:
     """Every key under the prefix, folder markers included (``map_objects`` decides what each one becomes),
     except the FSx import reports that DRA mode writes below it."""
     key_prefix = f"{prefix}/" if prefix else ""
@@ -91,27 +97,27 @@ def list_objects(client, bucket: str, prefix: str) -> list[dict[str, Any]]:
                                 "mtime": item["LastModified"].timestamp(),
                                 "checksum_algorithm": (item.get("ChecksumAlgorithm") or [None])[0]})
     except (ClientError, BotoCoreError) as err:
-        raise s3_error(err, f"s3://{bucket}/{key_prefix}") from err
+        raise s3_error(err, f"s3://{bucket}/{key_prefix}", field) from err
     return objects
 
 
-def select_objects(objects: list[dict[str, Any]], bucket: str, prefix: str, raw_dir: Path,
-                   on_bad_key: str) -> tuple[list[tuple[dict[str, Any], Path]], list[BadKey]]:
+def select_objects(objects: list[dict[str, Any]], bucket: str, prefix: str, raw_dir: Path, on_bad_key: str,
+                   field: str = "data.s3_uri") -> tuple[list[tuple[dict[str, Any], Path]], list[BadKey]]:
     """(object, path below raw_dir) for every key that is safe to stage; bad keys fail the stage or, with
     data.on_bad_key=skip, are left out with a warning (and counted in the manifest)."""
     mapped, bad = map_objects(objects, prefix, raw_dir)
     if bad and on_bad_key == "fail":
         shown = "; ".join(f"{b.key!r}: {b.reason}" for b in bad[:5])
         more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise StageError(f"{len(bad)} key(s) under s3://{bucket}/{prefix} cannot become files below {raw_dir}: "
-                         f"{shown}{more}. Rename or remove those objects, or set data.on_bad_key=skip to stage "
-                         "the rest without them")
+        raise StageInputError(f"{len(bad)} key(s) under s3://{bucket}/{prefix} ({field}) cannot become files below "
+                              f"{raw_dir}: {shown}{more}. Rename or remove those objects, or set data.on_bad_key=skip "
+                              "to stage the rest without them")
     for item in bad:
         log.warning("skipping s3://%s/%r: %s (data.on_bad_key=skip)", bucket, item.key, item.reason)
     if not mapped:
-        raise StageError(f"no objects under s3://{bucket}/{prefix} (data.s3_uri)"
-                         + (f" that can be staged ({len(bad)} skipped)" if bad else "")
-                         + ": upload the training data there")
+        raise StageInputError(f"no objects under s3://{bucket}/{prefix}"
+                              + (f" that can be staged ({len(bad)} skipped)" if bad else "")
+                              + f" ({field}): upload the files there, or fix {field}")
     return mapped, bad
 
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -46,7 +49,7 @@ def plan_groups(files: list[Path], dataset_dir: Path, count: int) -> list[dict[s
     are named relative to dataset_dir (what a task on another node finds under the same mount)."""
     files = sorted(files)
     if not files:
-        raise DataError(f"no .txt, .jsonl or .parquet files to tokenize for {dataset_dir}")
+        raise DataError(f"no document files to tokenize for {dataset_dir}")
     count = max(1, min(count, len(files)))
     sizes = [path.stat().st_size for path in files]
     total = max(1, sum(sizes))
@@ -69,7 +72,8 @@ def shard_dir(dataset_dir: Path, index: int, count: int) -> Path:
     return Path(dataset_dir) / SHARDS_DIR / f"{index:05d}-of-{count:05d}"
 
 
-def tokenize_group(group: dict[str, Any], dataset_dir: Path, val_fraction: float, tokenizer: str) -> dict[str, Any]:
+def tokenize_group(group: dict[str, Any], dataset_dir: Path, val_fraction: float, tokenizer: str,
+                   text_field: str = "text") -> dict[str, Any]:
     """Tokenize one planned group into its shard folder (reused when its files are unchanged); returns what
     collect_shards needs: the group's index and count, the shard folder and its content hash (and its seconds)."""
     dataset_dir = Path(dataset_dir)
@@ -80,12 +84,13 @@ def tokenize_group(group: dict[str, Any], dataset_dir: Path, val_fraction: float
                         "staged files changed since the stage task listed them; run the pipeline again")
     started = time.perf_counter()
     out = shard_dir(dataset_dir, group["index"], group["count"])
-    meta = tokenize_files(files, out, val_fraction, tokenizer, require_both_splits=False)
+    meta = tokenize_files(files, out, val_fraction, tokenizer, require_both_splits=False, text_field=text_field)
     return {"index": group["index"], "count": group["count"], "dir": str(out.relative_to(dataset_dir)),
             "content_hash": meta["content_hash"], "seconds": time.perf_counter() - started}
 
 
-def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction: float, tokenizer: str
+def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction: float, tokenizer: str,
+                   text_field: str = "text"
                    ) -> dict[str, Any]:
     """The dataset's tokens.json from every group's shard, in group order; then the shards of earlier plans
     (another tokenize_tasks) and the single-file layout of older versions are deleted."""
@@ -104,10 +109,10 @@ def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction
         metas.append(meta)
     first = metas[0]
     for shard, meta in zip(shards, metas):
-        if (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["val_fraction"]) != (
-                first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction):
+        if (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["val_fraction"], meta.get("text_field", "text")) != (
+                first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction, text_field):
             raise DataError(f"{dataset_dir / shard['dir'] / META_FILE}: tokenized with other settings than the rest "
-                            f"(tokenizer, dtype or data.val_fraction): run the pipeline again")
+                            f"(tokenizer, dtype, data.val_fraction or the text field): run the pipeline again")
     loaded = load_tokenizer(tokenizer)
     digests = [digest for meta in metas for digest in meta["file_digests"]]
     splits = {}
@@ -119,8 +124,9 @@ def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction
         splits[split] = {"files": files, **totals}
     merged = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": first["tokenizer"], "vocab_size": first["vocab_size"],
               "dtype": first["dtype"], "content_hash": combined_content_hash(digests, val_fraction,
-                                                                              loaded.tokenizer.to_str()),
-              "val_fraction": val_fraction, "splits": splits, "shards": [shard["dir"] for shard in shards]}
+                                                                              loaded.tokenizer.to_str(), text_field),
+              "val_fraction": val_fraction, "text_field": text_field, "splits": splits,
+              "shards": [shard["dir"] for shard in shards]}
     write_json(dataset_dir / META_FILE, merged)
     _delete_unlisted(dataset_dir, {Path(shard["dir"]).name for shard in shards})
     log.info("%d token shard(s) in %s: %d train / %d val tokens", count, dataset_dir, splits["train"]["tokens"],
@@ -135,3 +141,27 @@ def _delete_unlisted(dataset_dir: Path, listed: set[str]) -> None:
             shutil.rmtree(stale, ignore_errors=True)
     for name in ("train.bin", "val.bin"):  # the single-file layout of versions before the fan-out
         (dataset_dir / name).unlink(missing_ok=True)
+
+
+def write_mixture(data_dir: Path, parts: list[tuple[Any, Path, dict[str, Any]]]) -> dict[str, Any]:
+    """The mixture's tokens.json in data_dir from each corpus's (its DatasetConfig, its folder, its tokens.json):
+    the folders (relative to data_dir, so the mount point may move), weights and text fields, one tokenizer for
+    all, the totals, and a content hash of the corpora's hashes and weights (trainer.data.batches reads it)."""
+    data_dir = Path(data_dir)
+    kinds = {(tokens["tokenizer"], tokens["vocab_size"], tokens["dtype"]) for _, _, tokens in parts}
+    if len(kinds) != 1:
+        raise DataError(f"{data_dir}: the corpora were tokenized with different tokenizers {sorted(kinds)}: stage "
+                        "them again with one data.tokenizer")
+    [(tokenizer, vocab, dtype)] = kinds
+    mixture = [{"name": source.name, "dir": os.path.relpath(folder, data_dir), "weight": source.weight,
+                "text_field": source.text_field, "content_hash": tokens["content_hash"]}
+               for source, folder, tokens in parts]
+    splits = {split: {key: sum(tokens["splits"][split][key] for _, _, tokens in parts) for key in ("tokens", "documents")}
+              for split in ("train", "val")}
+    content_hash = hashlib.sha256(json.dumps([[m["name"], m["weight"], m["content_hash"]] for m in mixture])
+                                  .encode()).hexdigest()
+    meta = {"format_version": SHARD_FORMAT_VERSION, "mixture": mixture, "tokenizer": tokenizer, "vocab_size": vocab,
+            "dtype": dtype, "content_hash": content_hash, "splits": splits}
+    data_dir.mkdir(parents=True, exist_ok=True)
+    write_json(data_dir / META_FILE, meta)
+    return meta

@@ -132,12 +132,13 @@ def test_unusual_but_valid_keys_stage_byte_identical(s3, tmp_path):
 
 
 def test_the_stage_command_runs_the_stage_step_alone(s3, tmp_path):
-    """`python -m pipelines stage` as a user pre-warming FSx runs it: exit 1 naming the key, 0 with skip."""
+    """`python -m pipelines stage` as a user pre-warming FSx runs it: exit 2 naming the key (the input is unusable
+    as it is), 0 with skip."""
     s3.put_object(Bucket="data", Key="corpus/../escape.txt", Body=b"evil")
     command = [sys.executable, "-m", "pipelines", "stage", "--config", "local", f"--run.work_dir={tmp_path}",
                "--local.s3_server=false", "--local.upload_demo_data=false", "--data.s3_uri=s3://data/corpus"]
     failed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert failed.returncode == 2, failed.stdout + failed.stderr
     assert "'corpus/../escape.txt'" in failed.stderr and "'..' segment" in failed.stderr
     assert not (tmp_path / "fsx" / "datasets" / "escape.txt").exists()
 

@@ -222,11 +222,12 @@ def test_the_tracking_uri_is_the_service_the_overlay_builds_and_an_allowed_host(
 # -- 7. NVRx and JobSet at scale ---------------------------------------------------------------------------
 
 def test_the_initial_heartbeat_covers_a_resume_from_fsx_at_scale(cluster):
-    from trainer.launch.command import initial_heartbeat_timeout, parameter_count
+    from trainer.launch.command import initial_heartbeat_timeout
+    from trainer.planning.model_size import model_shape
 
     _, _, cfg = cluster
     seconds, why = initial_heartbeat_timeout(cfg)
-    resume = parameter_count(cfg.model.preset, 258) * 12 / (cfg.kubernetes.fsx_throughput_mbps * 1e6)
+    resume = model_shape(cfg).parameters * 12 / (cfg.kubernetes.fsx_throughput_mbps * 1e6)
     assert seconds >= resume + 60 and seconds >= 120, why
     command = build_trainjob(cfg, "/fsx/datasets/v1")["spec"]["trainer"]["command"]
     assert f"--ft-initial-rank-heartbeat-timeout={seconds}" in command
@@ -244,7 +245,7 @@ def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limi
     docs, "emptyDir"); it outlives container restarts but not the pod, which is what the tier needs. It must
     hold two copies of the node's share of the state and, with several nodes, two of its peer's
     (trainer.checkpoint.memory)."""
-    from trainer.launch.command import parameter_count
+    from trainer.planning.model_size import model_shape
 
     _, _, cfg = cluster
     job = build_trainjob(cfg, "/fsx/datasets/v1")
@@ -253,7 +254,7 @@ def test_the_node_memory_tier_has_a_memory_volume_that_holds_it_and_the_pod_limi
     [volume] = [v for v in pod["volumes"] if v["name"] == "node-memory"]
     assert volume["emptyDir"]["medium"] == "Memory"
     size_gib = int(volume["emptyDir"]["sizeLimit"].removesuffix("Gi"))
-    per_node = parameter_count(cfg.model.preset, 258) * 12 / cfg.training.num_nodes
+    per_node = model_shape(cfg).parameters * 12 / cfg.training.num_nodes
     copies = 4 if cfg.training.num_nodes > 1 else 2  # one node: no peer to keep a replica for
     assert size_gib * 2**30 >= copies * per_node
     assert {"name": "node-memory", "mountPath": cfg.checkpoint.memory_dir} in pod["containers"][0]["volumeMounts"]

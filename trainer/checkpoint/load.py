@@ -71,9 +71,10 @@ def load_model_from_checkpoint(folder: Path, verified: Verification | None = Non
         raise CheckpointError("; ".join(verified.problems))
     config = LlamaConfig.from_dict(verified.manifest["model_config"])
     model = build_model(config, seed=0)
-    # From the tokenizer the checkpoint was trained with: also right for checkpoints whose model config still
-    # carries LlamaConfig's default ids.
-    set_special_token_ids(model, load_tokenizer(verified.manifest.get("tokenizer", "byte")).special_token_ids())
+    if verified.manifest.get("tokenizer", "byte") == "byte":
+        # Checkpoints of earlier releases may carry LlamaConfig's default ids (1, 2) for the byte tokenizer's; an HF
+        # tokenizer's and a base model's ids are the model config's own, never overridden.
+        set_special_token_ids(model, load_tokenizer("byte").special_token_ids())
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns about single-process loads even when asked for one
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -17,16 +17,16 @@ import re
 from dataclasses import dataclass
 
 STARTUP_PHASES = ("rendezvous", "process_group", "model_build", "restore", "restore_memory", "restore_s3",
-                  "restore_fsx", "first_step")
+                  "restore_fsx", "restore_base", "first_step")
 # Generous: each bounds one phase of the slowest legitimate start (a 1,000-GPU NCCL set-up, an 8B model's
 # checkpoint from FSx or S3); tests and drills pass short ones.
 DEFAULT_STARTUP_TIMEOUTS = {"rendezvous": 900.0, "process_group": 600.0, "model_build": 1200.0,
                             "restore": 600.0, "restore_memory": 300.0, "restore_s3": 7200.0, "restore_fsx": 3600.0,
-                            "first_step": 1200.0}
+                            "restore_base": 1800.0, "first_step": 1200.0}
 # The drills: fault type -> the phases it hangs in.
 STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group": ("process_group",),
                  "hang_in_model_build": ("model_build",),
-                 "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx"),
+                 "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx", "restore_base"),
                  "hang_in_first_step": ("first_step",)}
 LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
                "corrupt_memory", "straggler", "group_loss")
@@ -159,9 +159,9 @@ def random_schedule(num_steps: int, mtbf_steps: float, types: list[str], world_s
         faults.append(Fault(kind, max(1, int(step)), None, rank))
 
 
-def parse_startup_timeouts(text: str) -> dict[str, float]:
+def parse_startup_timeouts(text: str, defaults: dict[str, float] = DEFAULT_STARTUP_TIMEOUTS) -> dict[str, float]:
     """'phase=seconds,...' over the defaults; ValueError naming the bad item."""
-    timeouts = dict(DEFAULT_STARTUP_TIMEOUTS)
+    timeouts = dict(defaults)
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue

@@ -85,9 +85,10 @@ class ResilienceConfig:
 
     startup_timeouts: str = ""
     """Timeouts of the start-up phases, 'phase=seconds,...' over the defaults: rendezvous=900, process_group=600,
-    model_build=1200, restore=600, restore_memory=300, restore_s3=7200, restore_fsx=3600, first_step=1200
-    (trainer.resilience.phases). A rank past one records a `hang` naming the phase and exits, so the restart
-    follows at once instead of at the end of the initial heartbeat timeout."""
+    model_build=1200, restore=600, restore_memory=300, restore_s3=7200, restore_fsx=3600, restore_base=1800,
+    first_step=1200, the reads (restore_fsx, restore_base) raised to 1.5 x what the model's size takes at
+    kubernetes.fsx_throughput_mbps (trainer.resilience.phases). A rank past one records a `hang` naming the phase
+    and exits, so the restart follows at once instead of at the end of the initial heartbeat timeout."""
 
     straggler_interval: int = 50
     """Every this many steps the ranks compare their section times (data, forward_backward, optimizer,

@@ -7,7 +7,12 @@ import re
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """What the user brought cannot be used (a config field, a base model, a tokenizer, a corpus): the message
+    names the field or the file and says what to do. Every command exits 2 on one, before any GPU time."""
+
+
+class ConfigError(InputError):
     """A user mistake in a configuration file or override; the message names the field."""
 
 

@@ -24,13 +24,16 @@ from typing import Any, Iterable, Iterator, NamedTuple
 
 import orjson
 
+from trainer.config.rules import InputError
+
 DOCUMENT_FORMATS = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet", ".txt")
 CHUNK_CHARS = 4 << 20  # text per tokenization task: bounds memory (a few tasks in flight), amortises a task's cost
 _COMPRESSED_BLOCK = 64 << 10  # compressed bytes fed at a time: a corrupt stream is located within this
 
 
-class DataError(RuntimeError):
-    """Token data missing, malformed or too small for the requested batches; the message names the file."""
+class DataError(InputError):
+    """Documents or token data missing, malformed or too small for the requested batches; the message names the
+    file."""
 
 
 class Chunk(NamedTuple):

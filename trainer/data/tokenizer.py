@@ -1,24 +1,37 @@
-"""Tokenizers: the built-in byte-level one, or an HF tokenizer.json from a local folder. No hub access.
+"""Tokenizers: the built-in byte-level one, or a Hugging Face tokenizer folder as users have them. No hub access.
 
 The built-in tokenizer is a real HF ``tokenizers`` object (byte-level BPE without merges: token id =
 byte value, plus BOS 256 and EOS 257), so HF exports carry a tokenizer that transformers loads.
+
+A folder is what ``save_pretrained`` writes (a base model's folder is one): ``tokenizer.json`` (the vocabulary,
+the added special tokens), ``tokenizer_config.json`` (its BOS and EOS, the chat template) and whatever else it
+holds (``chat_template.jinja``, ``special_tokens_map.json``). Training frames each document with that BOS and
+EOS; an export copies the folder's files as they are, so the chat template and the special tokens' ids stay the
+tokenizer's own.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
+from trainer.config.rules import InputError
+
 BYTE = "byte"
 _BOS, _EOS = "<|bos|>", "<|eos|>"
+# A tokenizer folder's own files (what transformers' save_pretrained writes for a fast tokenizer, and what an
+# export copies); never the model's weights or config beside them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """data.tokenizer names something that is not a usable tokenizer."""
 
 
@@ -28,6 +41,8 @@ class LoadedTokenizer:
     name: str
     bos_token: str | None
     eos_token: str | None
+    folder: Path | None = None  # an HF tokenizer folder: the files an export copies
+    chat_template: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -72,11 +87,18 @@ class LoadedTokenizer:
         return {"bos_token_id": self.bos_id, "eos_token_id": self.eos_id}
 
     def save(self, out_dir: Path) -> None:
-        """tokenizer.json + tokenizer_config.json + special_tokens_map.json, loadable by AutoTokenizer alone.
+        """A folder AutoTokenizer loads alone: an HF tokenizer's own files, copied as they are (its chat template,
+        its special tokens and their ids); the byte tokenizer as tokenizer.json + tokenizer_config.json +
+        special_tokens_map.json.
 
-        The saved tokenizer adds BOS in front of a text, as every training document began: tokenizer(prompt)
+        The saved byte tokenizer adds BOS in front of a text, as every training document began: tokenizer(prompt)
         then gives the ids the model saw. (Training frames documents itself, with add_special_tokens=False.)
         """
+        if self.folder is not None:
+            for name in TOKENIZER_FILES:
+                if (self.folder / name).is_file():
+                    shutil.copy2(self.folder / name, Path(out_dir) / name)
+            return
         tokenizer = copy.deepcopy(self.tokenizer)
         if self.bos_token is not None:
             bos = (self.bos_token, self.bos_id)
@@ -123,12 +145,21 @@ def load_tokenizer(spec: str) -> LoadedTokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # the Rust library raises plain Exceptions for malformed files
         raise TokenizerError(f"data.tokenizer: {path} is not a valid HF tokenizer ({err})") from err
-    bos = eos = None
+    bos = eos = template = None
     config_path = folder / "tokenizer_config.json"
     if config_path.is_file():
-        config = json.loads(config_path.read_text())
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as err:
+            raise TokenizerError(f"data.tokenizer: {config_path} is not valid JSON ({err})") from err
         bos, eos = (_token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
-    return LoadedTokenizer(tokenizer, str(folder.resolve()), bos, eos)
+        template = config.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    for role, token in (("bos_token", bos), ("eos_token", eos)):
+        if token is not None and tokenizer.token_to_id(token) is None:
+            raise TokenizerError(f"data.tokenizer: {config_path} names {role} {token!r}, which {path} does not have")
+    return LoadedTokenizer(tokenizer, str(folder.resolve()), bos, eos, folder.resolve(), template)
 
 
 def _token_text(value) -> str | None:

@@ -34,13 +34,14 @@ from trainer.checkpoint.node_folders import holds_a_copy
 from trainer.checkpoint.prefetch import RestorePrefetch, started_from_environment
 from trainer.checkpoint.s3_tier import S3Tier
 from trainer.config import Config
-from trainer.config.drills import parse_startup_timeouts
+from trainer.config.rules import is_s3_uri
 from trainer.data.batches import TokenBatches
 from trainer.data.shards import load_meta
 from trainer.data.tokenizer import load_tokenizer
 from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_GENERATION_ENV, NODE_INDEX_ENV, NODE_RANK_ENV,
                          NODE_REPLACEMENT_ENV, NODE_STORE_ENV, RESTART_COUNT_ENV)
-from trainer.model.llama import build_model_on_meta, load_or_build_model, materialize_on, shard_model
+from trainer.model.base import BASE_INDEX, BaseModelError, index_base_weights, read_base_config, read_index
+from trainer.model.llama import build_model, build_model_on_meta, llama_config_of, materialize_on, shard_model
 from trainer.model.optimizer import build_optimizer, initialize_state
 from trainer.observe import logs
 from trainer.observe.progress import ProgressReporter
@@ -50,7 +51,7 @@ from trainer.resilience.budget import RestartBudget, current_layer
 from trainer.resilience.faults import startup_hang_drill
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
-from trainer.resilience.phases import PhaseWatchdog, exit_hung
+from trainer.resilience.phases import PhaseWatchdog, exit_hung, startup_timeouts
 from trainer.resilience.replica_groups import Single, group_of_environment, replica_groups_for
 from trainer.resilience.worker_clock import worker_started_at
 from trainer.run.events import EventLog
@@ -79,8 +80,8 @@ class StartedProcess:
     # the model and its data
     model: torch.nn.Module
     model_config: Any
-    build_model_args: dict[str, Any]
-    weights_pending: bool  # built on the meta device: resume() fills the weights, or initialises them
+    weights_pending: bool  # built on the meta device: resume() fills the weights (a copy, the base model, or new)
+    base_weights: dict[str, Any] | None  # model.init_from: its folder and index (trainer.model.base)
     optimizer: torch.optim.Optimizer
     batches: TokenBatches
     # what runs beside the loop
@@ -100,7 +101,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         os.environ[IN_PROCESS_ITERATION_ENV] = str(in_process.iteration)
     timer = _PhaseTimer()  # where a (re)start's time goes: recorded with the launch
     prefetch = started_from_environment(cfg.checkpoint_dir, cfg.checkpoint)
-    watchdog = _start_watchdog(cfg, step_of)
+    watchdog = _start_watchdog(cfg, data_dir, step_of)
     with watchdog.phase("rendezvous"):
         rank, world_size, device = init_distributed(cfg, in_process)
     watchdog.enter("process_group")
@@ -121,18 +122,14 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     watchdog.enter("model_build")
 
     meta = load_meta(data_dir)
-    build_model_args = {"model": cfg.model, "vocab_size": meta["vocab_size"],
-                        "special_token_ids": load_tokenizer(meta["tokenizer"]).special_token_ids()}
-    # A restart takes its weights from a checkpoint: building (and initialising) them first is waste, so the
-    # model is then built on the meta device and only its shards get memory (resume() initialises it after
-    # all when no copy turns out to be restorable).
-    weights_pending = a_resume_is_likely(cfg, world_size, device)
-    model = (build_model_on_meta(**build_model_args) if weights_pending
-             else load_or_build_model(**build_model_args, seed=cfg.run.seed))
-    if model.config.vocab_size < meta["vocab_size"]:
-        raise ValueError(f"model vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
-                         f"({meta['vocab_size']}, {data_dir}): fix model.vocab_size or data.tokenizer")
-    model_config = model.config
+    base_weights = base_weights_of(cfg, rank, world_size)
+    model_config = llama_config_of(cfg.model, cfg.base_model_dir, meta["vocab_size"],
+                                load_tokenizer(meta["tokenizer"]).special_token_ids())
+    # Weights that come from a checkpoint or the base model are read into each rank's shards: building (and
+    # initialising) the whole model first is waste, so it is built on the meta device and only its shards get
+    # memory (resume() fills them; with neither a copy nor a base model, it initialises them after all).
+    weights_pending = base_weights is not None or a_resume_is_likely(cfg, world_size, device)
+    model = build_model_on_meta(model_config) if weights_pending else build_model(model_config, cfg.run.seed)
     if cfg.model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if weights_pending:
@@ -164,6 +161,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         # Checkpoints describe themselves: resume, validation and export need nothing else.
         metadata={"world_size": world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
                   "model_config": model_config.to_dict(), "tokenizer": meta["tokenizer"],
+                  "base_model": ({"init_from": cfg.model.init_from, "content_hash": base_weights["index"]["content_hash"]}
+                                 if base_weights is not None else None),
                   "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
         save_point=resilience.injector.at_save_point, fence=fence, prefetch=prefetch, phase=watchdog.phase,
@@ -179,15 +178,36 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         rank=rank, world_size=world_size, global_rank=global_rank, replica_groups=replica_groups, device=device,
         watchdog=watchdog, fence=fence, own_lease=own_lease,
         run_dir=RunDir(cfg.run_dir), events=events, history=history, restart_budget=restart_budget, model=model,
-        model_config=model_config, build_model_args=build_model_args, weights_pending=weights_pending,
+        model_config=model_config, weights_pending=weights_pending, base_weights=base_weights,
         optimizer=optimizer, batches=batches, telemetry=telemetry, resilience=resilience, checkpointer=checkpointer,
         interval_planner=interval_planner, progress=progress, prefetch=prefetch)
 
 
-def _start_watchdog(cfg: Config, step_of: Callable[[], int | None]) -> PhaseWatchdog:
+def base_weights_of(cfg: Config, rank: int, world_size: int) -> dict[str, Any] | None:
+    """Collective: model.init_from's folder and its weights' index, as rank 0 read it (one read for the job): the
+    stage step's (trainer.model.base, checked and hashed there), or for a folder given by hand, its headers
+    checked now (no hashing). None without a base model. A bad base model is a BaseModelError on every rank."""
+    folder = cfg.base_model_dir
+    if folder is None:
+        return None
+    answer = None
+    if rank == 0:
+        try:
+            index = read_index(cfg.staged_model_dir(cfg.model.init_from) / BASE_INDEX) if is_s3_uri(
+                cfg.model.init_from) else None
+            answer = (index or index_base_weights(folder, read_base_config(folder), hash_files=False), None)
+        except BaseModelError as err:
+            answer = (None, str(err))
+    index, error = from_rank_0(world_size, answer)
+    if error is not None:
+        raise BaseModelError(error)
+    return {"folder": str(folder), "index": index}
+
+
+def _start_watchdog(cfg: Config, data_dir: Path, step_of: Callable[[], int | None]) -> PhaseWatchdog:
     rank = group_of_environment() * int(os.environ.get("WORLD_SIZE", "1")) + int(os.environ.get("RANK", "0"))
     events = EventLog(cfg.run_dir, rank)  # no fence yet: the lease is joined after the rendezvous
-    return PhaseWatchdog(parse_startup_timeouts(cfg.resilience.startup_timeouts),
+    return PhaseWatchdog(startup_timeouts(cfg, data_dir),
                          on_hang=lambda phase, seconds, timeout: exit_hung(events, rank, phase, seconds, timeout,
                                                                            step=step_of()),
                          hang_in=startup_hang_drill(cfg.faults.schedule, rank, cfg.run_dir, events))

@@ -29,7 +29,8 @@ from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import step_dir_name
 from trainer.config import Config
 from trainer.job.startup import start_process
-from trainer.model.llama import copy_initial_weights, load_or_build_model
+from trainer.model.base import load_base_weights
+from trainer.model.llama import build_model, copy_initial_weights
 from trainer.model.optimizer import initialize_state
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.run.lease import Fence
@@ -66,7 +67,7 @@ class Trainer:
         # the model and its data
         self.model, self.model_config, self.optimizer = started.model, started.model_config, started.optimizer
         self.batches = started.batches
-        self._build_model_args, self._weights_pending = started.build_model_args, started.weights_pending
+        self._weights_pending, self._base_weights = started.weights_pending, started.base_weights
         # what runs beside the loop, each touched by it in one place
         self.telemetry, self.resilience, self.checkpointer = started.telemetry, started.resilience, started.checkpointer
         self.interval_planner, self.progress, self._prefetch = (started.interval_planner, started.progress,
@@ -145,8 +146,13 @@ class Trainer:
         if source != "none":
             self.load_state_dict(state)
             log.info("resuming at step %d (state from %s)", self.step, source)
+        elif self._base_weights is not None:  # a first start of continued pre-training
+            with self.watchdog.phase("restore_base"):
+                restore.update(self._load_base_weights())
+            self.optimizer.state.clear()  # fresh, as a fresh run's (a copy that failed its hashes may have written it)
+            initialize_state(self.optimizer)
         elif self._weights_pending:  # nothing to resume from after all: the weights a normal build gives
-            copy_initial_weights(self.model, load_or_build_model(**self._build_model_args, seed=self.cfg.run.seed))
+            copy_initial_weights(self.model, build_model(self.model_config, seed=self.cfg.run.seed))
             # A checkpoint that failed its hashes part-way through the load (they are checked as it is read)
             # may have written into the optimizer's state too: a fresh run starts from a fresh one.
             self.optimizer.state.clear()
@@ -154,6 +160,27 @@ class Trainer:
         self._weights_pending = False
         self.replica_groups.resumed_at(self.step)
         self.resilience.note_resume(step if source != "none" else None, load_started, load_seconds, source, **restore)
+
+    def _load_base_weights(self) -> dict[str, Any]:
+        """Collective: each rank reads its shard of the base model (trainer.model.base); what the job read."""
+        started = time.perf_counter()
+        stats = load_base_weights(self.model, Path(self._base_weights["folder"]), self._base_weights["index"])
+        read = torch.tensor([stats["bytes_read"], stats["bytes_read"]], dtype=torch.float64, device=self.device)
+        seconds = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=self.device)
+        dist.all_reduce(read[:1])
+        dist.all_reduce(read[1:], op=dist.ReduceOp.MAX)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        figures = {"base_bytes_read": int(read[0]), "base_max_rank_bytes_read": int(read[1]),
+                   "base_read_seconds": float(seconds), "base_weights_bytes": self._base_weights["index"]["bytes"]}
+        log.info("base model %s: %.2f GB read by the job (%.2f x its files), at most %.2f GB by a rank, in %.1f s",
+                 self._base_weights["folder"], figures["base_bytes_read"] / 1e9,
+                 figures["base_bytes_read"] / max(1, figures["base_weights_bytes"]),
+                 figures["base_max_rank_bytes_read"] / 1e9, figures["base_read_seconds"])
+        if self.rank == 0:  # each replica group reads the weights once
+            self.events.write("base_model_loaded", folder=self._base_weights["folder"], ranks=self.world_size,
+                              group=self.replica_groups.group,
+                              content_hash=self._base_weights["index"]["content_hash"], **figures)
+        return figures
 
     # -- loop --------------------------------------------------------------------------------------
 

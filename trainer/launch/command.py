@@ -8,7 +8,8 @@ step, components/train/local.py) and a Kubeflow Trainer TrainJob (components/tra
 ft_launcher's initial heartbeat timeout must cover everything before the first step: imports, the process
 group (NCCL across every rank), the model build and the resume from FSx. Too short, and ft_launcher kills
 every resume — a restart loop that never trains. ``initial_heartbeat_timeout`` derives it from the model's
-checkpoint size and the file system's throughput unless resilience.initial_heartbeat_timeout is set.
+checkpoint size (the real model's: trainer.planning.model_size) and the file system's throughput unless
+resilience.initial_heartbeat_timeout is set.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import math
 import sys
 from pathlib import Path
 
-from trainer.config import MODEL_PRESETS, Config
+from trainer.config import Config
+from trainer.planning.model_size import model_shape
 from trainer.resilience import nvrx_compat
 
-BYTE_VOCAB = 258  # trainer.data.tokenizer's byte tokenizer: 256 bytes + BOS + EOS
-# What a resume reads per parameter: fp32 weights + AdamW's two fp32 moments.
-CHECKPOINT_BYTES_PER_PARAMETER = 12
 MIN_INITIAL_HEARTBEAT_SECONDS = 120.0
 # Imports, model build and first step (s), plus NCCL communicator set-up, which grows with the job (s/GPU).
 STARTUP_SECONDS, STARTUP_SECONDS_PER_GPU = 60.0, 0.5
@@ -58,32 +57,12 @@ def nodes_per_group(cfg: Config) -> int:
     return cfg.training.num_nodes // cfg.training.replica_groups
 
 
-def parameter_count(preset: str, vocab_size: int) -> int:
-    """Parameters of a LlamaForCausalLM of this preset (no biases; GQA; tied or separate head)."""
-    p = MODEL_PRESETS[preset]
-    hidden, inter, layers = p["hidden_size"], p["intermediate_size"], p["num_hidden_layers"]
-    kv = p["num_key_value_heads"] * (hidden // p["num_attention_heads"])
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter + 2 * hidden
-    head = 0 if p["tie_word_embeddings"] else vocab_size * hidden
-    return vocab_size * hidden + layers * per_layer + hidden + head
-
-
-def vocab_size(cfg: Config, data_dir: Path | None) -> int:
-    """model.vocab_size, else the staged tokenizer's (tokens.json), else the byte tokenizer's."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
-    meta = Path(data_dir) / "tokens.json" if data_dir else None
-    if meta is not None and meta.is_file():
-        return int(json.loads(meta.read_text())["vocab_size"])
-    return BYTE_VOCAB
-
-
 def initial_heartbeat_timeout(cfg: Config, data_dir: Path | None = None) -> tuple[float, str]:
     """(seconds, why): the configured value, or one derived from the resume's size and the job's size."""
     if cfg.resilience.initial_heartbeat_timeout > 0:
         return cfg.resilience.initial_heartbeat_timeout, "resilience.initial_heartbeat_timeout"
     gpus = cfg.training.num_nodes * cfg.training.nproc_per_node
-    state_bytes = parameter_count(cfg.model.preset, vocab_size(cfg, data_dir)) * CHECKPOINT_BYTES_PER_PARAMETER
+    state_bytes = model_shape(cfg, data_dir).state_bytes
     reload = state_bytes / (cfg.kubernetes.fsx_throughput_mbps * 1e6)
     startup = STARTUP_SECONDS + STARTUP_SECONDS_PER_GPU * gpus
     seconds = max(MIN_INITIAL_HEARTBEAT_SECONDS, round(SAFETY_FACTOR * (reload + startup)))
@@ -97,7 +76,7 @@ def node_memory_gib(cfg: Config, data_dir: Path | None = None) -> int:
     state (weights + AdamW moments, fp32) and, with a peer replica, two of its peer's, with 10 % headroom."""
     if cfg.kubernetes.node_memory_gib:
         return cfg.kubernetes.node_memory_gib
-    state = parameter_count(cfg.model.preset, vocab_size(cfg, data_dir)) * CHECKPOINT_BYTES_PER_PARAMETER
+    state = model_shape(cfg, data_dir).state_bytes
     copies = 4 if cfg.checkpoint.peer_replica and cfg.training.num_nodes > 1 else 2
     return max(1, math.ceil(1.1 * copies * state / cfg.training.num_nodes / 2**30))
 

@@ -1,4 +1,5 @@
-"""The Llama-architecture model (transformers' LlamaForCausalLM) and its FSDP2 sharding."""
+"""The Llama-architecture model (transformers' LlamaForCausalLM): its config (a base model's, or a preset's), its
+build (random, or on the meta device for weights loaded after sharding) and its FSDP2 sharding."""
 
 from __future__ import annotations
 
@@ -12,54 +13,51 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from trainer.config import MODEL_PRESETS, ModelConfig
+from trainer.config.rules import InputError
+from trainer.model.base import read_base_config
 
 log = logging.getLogger(__name__)
 
 
-def llama_config(model: ModelConfig, vocab_size: int, special_token_ids: dict[str, int | None]) -> LlamaConfig:
-    """The transformers config for a preset; vocab_size comes from the tokenizer unless set, and so do the
-    BOS/EOS ids (LlamaConfig's defaults, 1 and 2, are some other tokenizer's)."""
-    preset = dict(MODEL_PRESETS[model.preset])
-    return LlamaConfig(vocab_size=model.vocab_size or vocab_size, **preset, **special_token_ids)
+class VocabularyMismatch(InputError):
+    """The tokenizer has ids the model has no embedding row for; the message names both sizes."""
+
+
+def llama_config_of(model: ModelConfig, base_dir: Path | None, tokenizer_vocab: int,
+                 special_token_ids: dict[str, int | None]) -> LlamaConfig:
+    """The transformers config of the model to train: the base model's own (model.init_from: its dimensions, its
+    special-token ids), else the preset's with the tokenizer's vocabulary (unless model.vocab_size) and BOS/EOS ids
+    (LlamaConfig's defaults, 1 and 2, are some other tokenizer's). A tokenizer with more ids than the model has
+    embedding rows is refused, naming both sizes."""
+    if base_dir is not None:
+        config, where = read_base_config(base_dir), f"{base_dir / 'config.json'} (model.init_from)"
+    else:
+        config = LlamaConfig(vocab_size=model.vocab_size or tokenizer_vocab, **MODEL_PRESETS[model.preset],
+                             **special_token_ids)
+        where = "model.vocab_size" if model.vocab_size else f"model.preset={model.preset}"
+    if config.vocab_size < tokenizer_vocab:
+        raise VocabularyMismatch(f"the tokenizer (data.tokenizer) has {tokenizer_vocab} ids, the model's vocabulary "
+                                 f"{config.vocab_size} ({where}): use the tokenizer the model was trained with")
+    return config
 
 
 def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
-    """Same seed, same initial weights on every rank (FSDP2 then keeps each rank's shard)."""
+    """Same seed, same initial weights on every rank (FSDP2 then keeps each rank's shard); fp32 whatever dtype the
+    config names (a base model's config.json says bfloat16: the dtype of its files, not of training's master
+    weights)."""
     torch.manual_seed(seed)
     # sdpa is deterministic on CPU and uses flash/memory-efficient kernels on GPU.
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     log.info("model: %.1f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     return model
 
 
-def load_or_build_model(model: ModelConfig, vocab_size: int, seed: int,
-                        special_token_ids: dict[str, int | None]) -> LlamaForCausalLM:
-    """Weights from model.init_from (HF folder, local files only), else the preset with random weights."""
-    if not model.init_from:
-        return build_model(llama_config(model, vocab_size, special_token_ids), seed)
-    folder = Path(model.init_from)
-    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise ValueError(f"model.init_from: {folder} must hold config.json and *.safetensors (an HF export)")
-    torch.manual_seed(seed)  # layers the weights file does not cover are initialised reproducibly
-    loaded = LlamaForCausalLM.from_pretrained(str(folder), local_files_only=True, use_safetensors=True,
-                                              attn_implementation="sdpa", dtype=torch.float32)
-    set_special_token_ids(loaded, special_token_ids)
-    log.info("model: %.1f M parameters from %s", sum(p.numel() for p in loaded.parameters()) / 1e6, folder)
-    return loaded
-
-
-def build_model_on_meta(model: ModelConfig, vocab_size: int,
-                        special_token_ids: dict[str, int | None]) -> LlamaForCausalLM:
+def build_model_on_meta(config: LlamaConfig) -> LlamaForCausalLM:
     """The model's structure on the meta device: no memory, no initialisation (~0.02 s for 101 M parameters
-    instead of ~1 s). For a start whose weights come from a checkpoint anyway: shard it, then
-    `materialize_on(model, device)` and either load the checkpoint or `copy_initial_weights`."""
-    if model.init_from:
-        config = LlamaConfig.from_pretrained(model.init_from, local_files_only=True)
-        config.update(special_token_ids)
-    else:
-        config = llama_config(model, vocab_size, special_token_ids)
+    instead of ~1 s). For a start whose weights come from a checkpoint or a base model anyway: shard it, then
+    `materialize_on(model, device)` and load them (or `copy_initial_weights`)."""
     with torch.device("meta"):
-        return LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        return LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def materialize_on(model: LlamaForCausalLM, device: torch.device) -> None:

@@ -8,7 +8,9 @@ Phases, in order: ``rendezvous`` (joining the job's store and the peers: init_pr
 (the first collectives; NCCL builds its communicators here), ``model_build`` (model, shards, optimizer, data),
 ``restore`` (choosing the copy to resume from: listings, the ranks' agreement) with, inside it as phases of
 their own, the tiers it reads — ``restore_memory`` (node memory and the peer replica), ``restore_s3`` (an S3
-copy back onto FSx), ``restore_fsx`` (reading the FSx checkpoint) —, and ``first_step`` (to its end).
+copy back onto FSx), ``restore_fsx`` (reading the FSx checkpoint), ``restore_base`` (a first start's read of the
+base model, model.init_from: each rank its shard) —, and ``first_step`` (to its end). The reads' timeouts grow
+with the model (``startup_timeouts``).
 
 Without it a hang there is seen late or never: ft_launcher's rank monitor starts its initial-heartbeat clock
 only when the worker connects (NVRx 0.4.1 and >= 0.6 alike), and then says only "no heartbeat". With it the
@@ -28,10 +30,13 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from trainer.config.drills import DEFAULT_STARTUP_TIMEOUTS, parse_startup_timeouts
 from trainer.env import HANG_EXIT_CODE
+from trainer.planning.model_size import model_shape, throughput_seconds
 
 log = logging.getLogger(__name__)
 
+SAFETY_FACTOR = 1.5  # over what a read of the model's size takes at the file system's throughput
 _phase = ["start"]  # the process's phase: the last start-up phase entered, "train" once start-up is over
 
 
@@ -114,3 +119,16 @@ def exit_hung(events, rank: int, phase: str, elapsed: float, timeout: float, ste
     finally:
         logging.shutdown()
         os._exit(HANG_EXIT_CODE)
+
+
+def startup_timeouts(cfg, data_dir) -> dict[str, float]:
+    """Each phase's timeout: resilience.startup_timeouts over the defaults, where a read's default is raised to
+    SAFETY_FACTOR x what it takes at kubernetes.fsx_throughput_mbps for this model (trainer.planning.model_size):
+    restore_fsx reads the training state (fp32 weights and AdamW's moments), restore_base the base model's
+    weights, once for the job (a rank its shard)."""
+    shape = model_shape(cfg, data_dir)
+    throughput = cfg.kubernetes.fsx_throughput_mbps
+    derived = dict(DEFAULT_STARTUP_TIMEOUTS)
+    for phase, nbytes in (("restore_fsx", shape.state_bytes), ("restore_base", 1.1 * shape.weights_bytes)):
+        derived[phase] = max(derived[phase], round(SAFETY_FACTOR * throughput_seconds(nbytes, throughput)))
+    return parse_startup_timeouts(cfg.resilience.startup_timeouts, derived)

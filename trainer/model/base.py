@@ -1,0 +1,211 @@
+"""A base model in Hugging Face format (config.json + *.safetensors): checked once, then read shard by shard.
+
+    config = read_base_config(folder)                       # Llama-family, or a BaseModelError naming the field
+    index = index_base_weights(folder, config)              # once per content hash: the stage step's conversion
+    stats = load_base_weights(model, folder, index)         # each rank reads only its own rows (collective)
+
+The conversion checks what a start would otherwise find out on every rank, and writes it down: every safetensors
+file parses (header, offsets, size), every tensor the config implies is there with its shape, and the files'
+content hash (xxh3-128 of each, combined). The index lists each tensor's file, dtype and shape, so a start reads
+one small JSON file instead of every rank opening every file's header.
+
+The load is torch DCP's with its Hugging Face reader (``HuggingFaceStorageReader``: safetensors slices, DCP's
+planner): the model is built on the meta device and sharded (FSDP2: each rank holds rows of every tensor) before
+any weight exists, and DCP asks each rank's reader for exactly its rows, which are read from the file and copied
+(converted to the parameter's dtype) into the rank's shard. No rank ever holds the whole model, and the job reads
+each weight once (the reader counts the bytes). Names need no mapping: the model is transformers'
+LlamaForCausalLM, whose state dict is the checkpoint's; with tied embeddings lm_head.weight is the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from trainer.config.rules import InputError
+
+log = logging.getLogger(__name__)
+
+INDEX_FORMAT_VERSION = 1
+BASE_INDEX = "weights-index.json"  # beside a staged model's hf/ folder (the stage step writes it)
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class BaseModelError(InputError):
+    """model.init_from names something that is not a usable Llama-family base model; the message names the file
+    and the field."""
+
+
+def read_base_config(folder: Path) -> LlamaConfig:
+    """The base model's config.json as a LlamaConfig; refused, naming the field, when it is not Llama-family."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BaseModelError(f"model.init_from: {path} not found: point it at a Hugging Face model folder "
+                             "(config.json + *.safetensors) or its S3 prefix") from None
+    except (OSError, ValueError) as err:
+        raise BaseModelError(f"model.init_from: {path} is not a readable JSON file ({err})") from err
+    if raw.get("model_type") != "llama":
+        raise BaseModelError(f"{path}: model_type {raw.get('model_type')!r} is not Llama-family: model.init_from "
+                             f"takes {LLAMA_ARCHITECTURE} models (model_type 'llama')")
+    architectures = raw.get("architectures") or [LLAMA_ARCHITECTURE]
+    if LLAMA_ARCHITECTURE not in architectures:
+        raise BaseModelError(f"{path}: architectures {architectures} has no {LLAMA_ARCHITECTURE}: model.init_from "
+                             "takes causal language models of the Llama family")
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
+        key = "rope_scaling" if "rope_scaling" in raw else "rope_parameters"
+        raise BaseModelError(f"{path}: {key} type {rope_type!r} is not one transformers' Llama implements "
+                             f"({', '.join(['default', *ROPE_INIT_FUNCTIONS])})")
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(raw.get(field), int) or raw[field] <= 0:
+            raise BaseModelError(f"{path}: {field} must be a positive integer, got {raw.get(field)!r}")
+    try:
+        return LlamaConfig.from_dict(raw)
+    except (TypeError, ValueError) as err:
+        raise BaseModelError(f"{path}: not a valid Llama config ({err})") from err
+
+
+def expected_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of this config holds, with their shapes (a meta build: no memory)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM._from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)  # the embedding's: HF checkpoints of tied models leave it out
+    return shapes
+
+
+def _file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_128()
+    with path.open("rb") as handle:
+        while block := handle.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, Any] | None = None, *,
+                       hash_files: bool = True) -> dict[str, Any]:
+    """Check every safetensors file of the folder against the config and hash it; the index (see the module's
+    docstring). `previous`: an earlier index of the same folder, whose digests stand for files of the same size
+    and modification time (a re-stage that changed nothing hashes nothing). hash_files=False: the headers only
+    (a folder given by hand, checked at a start; its content_hash is None)."""
+    from safetensors import SafetensorError, safe_open  # the same library transformers and DCP's reader use
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise BaseModelError(f"model.init_from: {folder} has no *.safetensors files: only safetensors weights load "
+                             "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))")
+    known = {f["name"]: f for f in (previous or {}).get("files", [])}
+    tensors: dict[str, dict[str, Any]] = {}
+    listed = []
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    part = handle.get_slice(name)
+                    tensors[name] = {"file": path.name, "dtype": part.get_dtype(), "shape": list(part.get_shape())}
+        except (SafetensorError, OSError, ValueError) as err:
+            raise BaseModelError(f"{path}: not a valid safetensors file ({err}): stage the model again") from err
+        with path.open("rb") as handle:
+            header_bytes = 8 + int.from_bytes(handle.read(8), "little")  # safetensors: u64 length, then the JSON
+        stat = path.stat()
+        old = known.get(path.name)
+        same = old is not None and (old["bytes"], old["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
+        listed.append({"name": path.name, "bytes": stat.st_size, "header_bytes": header_bytes, "mtime_ns": stat.st_mtime_ns,
+                       "xxh3": old["xxh3"] if same else _file_digest(path) if hash_files else None})
+    for name, shape in expected_tensors(config).items():
+        found = tensors.get(name)
+        if found is None:
+            raise BaseModelError(f"model.init_from: {folder} has no tensor {name!r} in its safetensors files: not a "
+                                 f"complete {LLAMA_ARCHITECTURE} checkpoint of its config.json")
+        if tuple(found["shape"]) != shape:
+            raise BaseModelError(f"{folder / found['file']}: {name} has shape {found['shape']}, its config.json "
+                                 f"implies {list(shape)}")
+        if found["dtype"] not in _DTYPES:
+            raise BaseModelError(f"{folder / found['file']}: {name} is {found['dtype']}, not a float type this "
+                                 f"trainer loads ({', '.join(_DTYPES)})")
+    combined = xxhash.xxh3_128()
+    for entry in listed:
+        combined.update(f"{entry['name']}:{entry['xxh3']};".encode())
+    expected = expected_tensors(config)
+    return {"format_version": INDEX_FORMAT_VERSION, "content_hash": combined.hexdigest() if hash_files else None,
+            "files": listed,
+            "bytes": sum(f["bytes"] for f in listed),
+            "parameters": sum(int(torch.Size(tensors[n]["shape"]).numel()) for n in expected),
+            "tensors": {name: tensors[name] for name in expected}}
+
+
+class BaseWeightsReader(HuggingFaceStorageReader):
+    """DCP's Hugging Face reader, with the metadata from the index when there is one (one small file, instead of
+    every safetensors header on every rank), and every byte it reads counted (trainer.checkpoint.reads)."""
+
+    def __init__(self, folder: Path, index: dict[str, Any] | None = None):
+        super().__init__(str(folder))
+        self._index = index
+        self.bytes_read = 0
+
+    def read_metadata(self) -> Metadata:
+        if self._index is None:
+            return super().read_metadata()
+        state: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, _HFStorageInfo] = {}
+        for name, tensor in self._index["tensors"].items():
+            shape, dtype = torch.Size(tensor["shape"]), _DTYPES[tensor["dtype"]]
+            state[name] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=shape,
+                                                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)),
+                                                                             sizes=shape)])
+            storage[MetadataIndex(fqn=name, offset=[0] * len(shape))] = _HFStorageInfo(
+                relative_path=os.path.join(self.path, tensor["file"]), shape=shape, dtype=dtype)
+        metadata = Metadata(state_dict_metadata=state, storage_data=storage)
+        metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        if self._index is not None:  # each file this rank opens: its header is read too
+            headers = {os.path.join(self.path, f["name"]): f["header_bytes"] for f in self._index["files"]}
+            opened = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            self.bytes_read += sum(headers[path] for path in opened)
+        return super().read_data(plan, planner)
+
+    def _process_read_request(self, f, req, planner) -> None:
+        super()._process_read_request(f, req, planner)
+        self.bytes_read += int(torch.Size(req.lengths).numel()) * self.storage_data[req.storage_index].dtype.itemsize
+
+
+def load_base_weights(model: torch.nn.Module, folder: Path, index: dict[str, Any] | None = None,
+                      *, no_dist: bool = False) -> dict[str, Any]:
+    """Collective: fill the (sharded, materialised) model's parameters from the base model's files, each rank its
+    own rows. Returns what this rank read."""
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # the embedding itself
+    reader = BaseWeightsReader(Path(folder), index)
+    dcp.load(state, storage_reader=reader, no_dist=no_dist)
+    return {"bytes_read": reader.bytes_read, "tensors": len(state)}
+
+
+def read_index(path: Path) -> dict[str, Any] | None:
+    try:
+        index = json.loads(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return index if index.get("format_version") == INDEX_FORMAT_VERSION else None
