@@ -18,13 +18,16 @@ from tests.kube import MANIFESTS, ROOT, build, grants, pod_templates
 from tests.pod_security import violations
 from trainer.config import load_config
 
-OVERLAYS = ["dev", "prod"]
+OVERLAYS = ["dev", "prod", "cpt"]
+# What the stage step puts on FSx before a TrainJob is built: the base model's config.json, which sizes the job.
+STAGED_BASE_CONFIG = ROOT / "tests" / "data" / "llama-3.1-8b"
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def cluster(request):
     """(overlay name, its built objects, the EKS config that targets it)."""
-    cfg = load_config(ROOT / "pipelines" / "configs" / f"eks-{request.param}.yaml", ["--run.run_id=first-run"])
+    staged = [f"--model.init_from={STAGED_BASE_CONFIG}"] if request.param == "cpt" else []
+    cfg = load_config(ROOT / "pipelines" / "configs" / f"eks-{request.param}.yaml", ["--run.run_id=first-run", *staged])
     return request.param, build(MANIFESTS / "overlays" / request.param), cfg
 
 
@@ -105,8 +108,8 @@ def test_every_pod_template_passes_the_pod_security_level_its_namespace_enforces
         level = levels.get(namespace, "baseline")
         assert violations(pod, level) == [], (name, obj["kind"], obj["metadata"]["name"])
         checked += 1
-    # the runtime's node, rendezvous and lighthouse pods, MLflow, fsx-prepare, and prod's warm spare
-    assert checked == (6 if name == "prod" else 5)
+    # the runtime's node, rendezvous and lighthouse pods, MLflow, fsx-prepare, and the p5 clusters' warm spare
+    assert checked == (5 if name == "dev" else 6)
 
 
 def test_long_running_pods_meet_restricted_and_only_the_preparation_runs_as_root(cluster):
@@ -454,7 +457,7 @@ def test_a_warm_spare_holds_a_whole_node_and_yields_to_a_replacement(cluster):
     what a training pod does, so that it holds (and frees) one whole node."""
     name, objects, cfg = cluster
     spares = [o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "resilient-train-spare"]
-    if name != "prod":
+    if name == "dev":
         assert spares == []  # optional: the dev overlay has none
         return
     [spare] = spares

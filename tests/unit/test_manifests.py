@@ -36,7 +36,7 @@ def built(request, tmp_path_factory):
 
 
 def test_base_and_overlays_build():
-    assert [p.name for p in OVERLAYS] == ["dev", "prod"]
+    assert [p.name for p in OVERLAYS] == ["cpt", "dev", "prod"]
     objects = [o for o in yaml.safe_load_all(kustomize(MANIFESTS / "base")) if o]
     assert all(o["metadata"]["labels"]["app.kubernetes.io/part-of"] == "resilient-train" for o in objects)
 
@@ -129,18 +129,74 @@ def test_prod_sizes_and_gang_admission(built):
         assert container["resources"]["limits"]["vpc.amazonaws.com/efa"] == 32
 
 
-def test_the_launchers_trainjob_matches_the_runtime():
+# The cpt config's base model as the stage step leaves it on FSx (its config.json sizes the TrainJob).
+STAGED = {"cpt": [f"--model.init_from={ROOT / 'tests' / 'data' / 'llama-3.1-8b'}"]}
+
+
+@pytest.mark.parametrize("overlay", ["prod", "cpt"])
+def test_the_launchers_trainjob_matches_the_runtime(overlay):
     from components.train.trainjob import build_trainjob
     from trainer.config import load_config
 
-    cfg = load_config("pipelines/configs/eks-prod.yaml", ["--run.run_id=x"])
+    cfg = load_config(f"pipelines/configs/eks-{overlay}.yaml", ["--run.run_id=x", *STAGED.get(overlay, [])])
     job = build_trainjob(cfg, "/fsx/datasets/v1")
-    objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(kustomize(MANIFESTS / "overlays" / "prod")) if o}
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(kustomize(MANIFESTS / "overlays" / overlay)) if o}
     assert ("ClusterTrainingRuntime", job["spec"]["runtimeRef"]["name"]) in objects
     assert ("LocalQueue", job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"]) in objects
     assert ("PersistentVolumeClaim", cfg.kubernetes.fsx_pvc) in objects
     assert ("ServiceAccount", cfg.kubernetes.service_account) in objects
     assert ("ServiceAccount", cfg.kubernetes.pipeline_service_account) in objects
+
+
+@pytest.mark.parametrize("overlay", ["dev", "prod", "cpt"])
+def test_kueue_admits_each_configs_trainjob_within_its_clusters_quota(overlay):
+    """Kueue admits a workload only when every resource it requests is covered by the ClusterQueue and its total
+    fits the flavor's nominalQuota (no cohort to borrow from here): Kueue docs, "Cluster Queue" (resource groups,
+    nominalQuota) and "Workload" (admission). A config for more nodes than its cluster's quota waits forever."""
+    from components.train.trainjob import build_trainjob
+    from trainer.config import load_config
+
+    cfg = load_config(f"pipelines/configs/eks-{overlay}.yaml", ["--run.run_id=x", *STAGED.get(overlay, [])])
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(kustomize(MANIFESTS / "overlays" / overlay)) if o}
+    runtime = objects[("ClusterTrainingRuntime", cfg.kubernetes.runtime_name)]
+    requests = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"][0]["resources"]["requests"]
+    [group] = objects[("ClusterQueue", cfg.kubernetes.queue_name)]["spec"]["resourceGroups"]
+    quota = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
+    nodes = job["spec"]["trainer"]["numNodes"]
+    assert nodes == cfg.training.num_nodes
+    for resource, amount in requests.items():
+        assert resource in group["coveredResources"], resource
+        assert nodes * _quantity(amount) <= _quantity(quota[resource]), (overlay, resource, nodes, amount, quota[resource])
+
+
+def _quantity(value) -> float:
+    """A Kubernetes quantity (apimachinery resource.Quantity) as a number: 1600Gi, 5120Mi, "160", 500m."""
+    text = str(value)
+    for suffix, factor in (("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30), ("Ti", 2**40), ("m", 1e-3)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+@pytest.mark.parametrize("config", ["eks-prod", "eks-dev", "eks-cpt"])
+def test_the_pipeline_role_reads_every_prefix_the_stage_step_stages(config):
+    """The stage step lists (ListObjectsV2: s3:ListBucket with the prefix as s3:prefix) and downloads (GetObject,
+    HeadObject: s3:GetObject) every prefix it stages — each corpus, the base model, the tokenizer — as the
+    pipeline's role (Service Authorization Reference for Amazon S3). The config's bucket stands for DATA_BUCKET;
+    the trainer reads them from FSx, and needs no S3 read of its own."""
+    from components.stage.staging import staged_prefixes
+    from trainer.config import load_config
+
+    pipeline = json.loads((MANIFESTS / "iam" / "pipeline-policy.json").read_text())
+    trainer = json.loads((MANIFESTS / "iam" / "trainer-policy.json").read_text())
+    for uri in staged_prefixes(load_config(f"pipelines/configs/{config}.yaml")):
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        key = f"{prefix}/config.json"
+        assert _allowed(pipeline, "s3:ListBucket", "arn:aws:s3:::DATA_BUCKET", prefix=f"{prefix}/"), uri
+        assert _allowed(pipeline, "s3:GetObject", f"arn:aws:s3:::DATA_BUCKET/{key}"), uri
+        assert not _allowed(trainer, "s3:GetObject", f"arn:aws:s3:::DATA_BUCKET/{key}"), uri
 
 
 @pytest.mark.parametrize("policy", sorted((MANIFESTS / "iam").glob("*.json")), ids=lambda p: p.name)

@@ -11,7 +11,7 @@ Runbook (from the repository root, after the stage step has written token shards
 
 Any ``--section.key=value`` after the known flags overrides the config. Rank 0 writes
 ``<run_dir>/metrics.jsonl`` (one line per step) and ``result.json`` at the end. Exit code 2 names a bad
-config field; exit code 42 means the restart budget gave up on a crash loop (trainer.resilience.budget).
+config field, base model, tokenizer or corpus; exit code 42 means the restart budget gave up on a crash loop (trainer.resilience.budget).
 With resilience.in_process the training runs inside NVRx's in-process restart.
 """
 
@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from trainer.config import ConfigError, load_config
+from trainer.config.rules import InputError
 from trainer.env import CRASH_LOOP_EXIT_CODE
 from trainer.job.trainer import Trainer
 from trainer.observe import logs
@@ -78,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             train()
     except RestartBudgetExhausted:
         return CRASH_LOOP_EXIT_CODE  # no layer restarts this (trainer.resilience.budget); the message is logged
+    except InputError as err:  # a base model, tokenizer or corpus that cannot be used: the message names it
+        log.error("%s", err)
+        return 2
     except EscalateToLauncher:
         return 1  # ft_launcher restarts the processes
     return 0
