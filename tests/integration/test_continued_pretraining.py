@@ -1,0 +1,155 @@
+"""A real job's inputs, end to end through the CLI as a user runs it: a base model and its tokenizer in S3 (a small
+Llama-family model with GQA, tied embeddings and llama3 rope scaling, saved with save_pretrained over several
+safetensors files; a BPE tokenizer trained here, with its BOS, EOS and a chat template), two corpora (.jsonl.gz with
+the text in "content", .parquet) mixed 3:1, from S3 on loopback to the registered model."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.demo_data import generate_documents
+from tests.base_model import CHAT_TEMPLATE, loss_of, make_base_model
+from trainer.data.batches import TokenBatches
+from trainer.model.base import BASE_INDEX
+from trainer.run.events import read_events
+from trainer.run.run_dir import read_jsonl
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = "s3://models/base-models/tiny-llama"
+DATASETS = ('[{name: web, s3_uri: "s3://corpus/datasets/web", weight: 3, text_field: content},'
+            ' {name: code, s3_uri: "s3://corpus/datasets/code", weight: 1}]')
+SHAPE = ["--training.num_steps=4", "--checkpoint.interval_steps=2", "--training.batch_size=4",
+         "--training.seq_len=32", "--training.warmup_steps=1", "--eval.max_batches=2", "--faults.schedule=",
+         "--eval.max_new_tokens=4"]
+
+
+def run_cli(command: str, work: Path, *overrides: str) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "pipelines", command, "--config", "local", f"--run.work_dir={work}",
+            "--local.s3_server=false", "--local.upload_demo_data=false", *overrides]
+    return subprocess.run(args, cwd=work, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _upload_folder(s3, folder: Path, bucket: str, prefix: str) -> None:
+    for path in sorted(folder.iterdir()):
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The S3 server on loopback (boto3 and the CLI find it through AWS_ENDPOINT_URL_S3) with the base model, its
+    tokenizer and the two corpora in it, as a user uploads them."""
+    from pipelines.local_stack import S3Server
+
+    scratch = tmp_path_factory.mktemp("inputs")
+    texts = generate_documents(600, seed=3)
+    base = scratch / "tiny-llama"
+    tokenizer = make_base_model(base, texts)
+    with S3Server(log_dir=scratch / "s3-logs"):
+        s3 = boto3.client("s3")
+        for bucket in ("models", "corpus"):
+            s3.create_bucket(Bucket=bucket)
+        _upload_folder(s3, base, "models", "base-models/tiny-llama")
+        web = "".join(json.dumps({"content": text, "url": f"https://example.com/{i}"}) + "\n"
+                      for i, text in enumerate(texts[:400]))
+        s3.put_object(Bucket="corpus", Key="datasets/web/part-0.jsonl.gz", Body=gzip.compress(web.encode()))
+        table = scratch / "code.parquet"
+        pq.write_table(pa.table({"text": texts[400:], "lang": ["en"] * 200}), table)
+        s3.upload_file(str(table), "corpus", "datasets/code/part-0.parquet")
+        s3.put_object(Bucket="corpus", Key="datasets/code/_SUCCESS", Body=b"")  # what Spark leaves: no documents
+        yield {"s3": s3, "base": base, "tokenizer": tokenizer, "texts": texts}
+
+
+@pytest.fixture(scope="module")
+def run(inputs, tmp_path_factory):
+    work = tmp_path_factory.mktemp("cpt")
+    proc = run_cli("run", work, "--run.run_id=cpt", f"--model.init_from={BASE}", f"--data.tokenizer={BASE}",
+                   f"--data.datasets={DATASETS}", "--data.dataset_name=mix", *SHAPE)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return {"work": work, "proc": proc, "run_dir": work / "fsx" / "runs" / "cpt"}
+
+
+def test_the_first_step_trains_the_base_models_weights_on_the_mixtures_first_samples(run, inputs):
+    """The loss of step 1 is the base model's own loss (plain transformers, its files from the test's folder) on
+    the step's global samples [0, 8): 2 ranks x batch 4, read back through the sample order."""
+    [first] = [r for r in read_jsonl(run["run_dir"] / "metrics.jsonl") if r["step"] == 1]
+    batches = TokenBatches.open(run["work"] / "fsx" / "datasets" / "mix", "train", seq_len=32, batch_size=4, seed=1234)
+    inputs_, labels = batches.samples(np.arange(8))
+    expected = loss_of(inputs["base"], inputs_, labels)
+    assert first["first_sample"] == 0 and first["samples"] == 8
+    assert first["loss"] == pytest.approx(expected, rel=1e-4)
+    random_init = float(np.log(len(inputs["tokenizer"])))  # what an untrained model of this vocabulary scores
+    assert expected < random_init - 1.0
+    [loaded] = read_events(run["run_dir"], "base_model_loaded")
+    assert loaded["base_bytes_read"] <= 1.1 * loaded["base_weights_bytes"] and loaded["ranks"] == 2
+
+
+def test_the_corpora_are_mixed_by_weight_and_the_unknown_file_is_counted(run):
+    last = read_jsonl(run["run_dir"] / "metrics.jsonl")[-1]
+    assert last["samples_seen"] == 32 and last["tokens_seen"] == 32 * 32
+    assert (last["samples/web"], last["samples/code"]) == (24, 8)
+    assert 0 < last["epoch/code"] and last["epoch"] == max(last["epoch/web"], last["epoch/code"])
+    stage = json.loads((run["run_dir"] / "steps" / "stage.json").read_text())
+    assert stage["unknown_files"] == 1 and {d["dataset"]: d["text_field"] for d in stage["datasets"]} == \
+        {"web": "content", "code": "text"}
+    mixture = json.loads((run["work"] / "fsx" / "datasets" / "mix" / "tokens.json").read_text())
+    assert [(m["name"], m["weight"]) for m in mixture["mixture"]] == [("web", 3.0), ("code", 1.0)]
+    manifest = json.loads((run["work"] / "fsx" / "datasets" / "code" / "stage-manifest.json").read_text())
+    assert manifest["unknown_files"] == ["_SUCCESS"] and manifest["unknown_files_count"] == 1
+
+
+def test_the_staged_model_is_recorded_with_its_uri_and_content_hash(run):
+    from mlflow.tracking import MlflowClient
+
+    staged = run["work"] / "fsx" / "models" / "tiny-llama"
+    index = json.loads((staged / BASE_INDEX).read_text())
+    assert len(index["files"]) == 4 and (staged / "hf" / "config.json").is_file()
+    stage = json.loads((run["run_dir"] / "steps" / "stage.json").read_text())
+    [model] = stage["models"]  # the tokenizer's prefix is the model's: staged once
+    assert model["s3_uri"] == BASE and model["content_hash"] == index["content_hash"] and model["chat_template"]
+    data_manifest = json.loads((run["work"] / "fsx" / "datasets" / "mix" / "stage-manifest.json").read_text())
+    assert data_manifest["models"][0]["content_hash"] == index["content_hash"]
+    summary = json.loads((run["run_dir"] / "summary.json").read_text())
+    parent = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_parent_run_id"])
+    assert parent.data.tags["base_model_uri"] == BASE
+    assert parent.data.tags["base_model_content_hash"] == index["content_hash"]
+    manifest = json.loads(Path(summary["checkpoint"], "manifest.json").read_text())
+    assert manifest["base_model"] == {"init_from": BASE, "content_hash": index["content_hash"]}
+
+
+def test_the_registered_model_loads_in_plain_transformers_with_the_tokenizers_chat_template(run, inputs, tmp_path):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    summary = json.loads((run["run_dir"] / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and summary["promotion"]["promote"]
+    client = MlflowClient(summary["mlflow_tracking_uri"])
+    version = client.get_model_version_by_alias("resilient-train-llama", "champion")
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path),
+                                                      tracking_uri=summary["mlflow_tracking_uri"]))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    original = inputs["tokenizer"]
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (original.bos_token_id, original.eos_token_id)
+    messages = [{"role": "user", "content": "the cat sat"}]
+    assert tokenizer.apply_chat_template(messages) == original.apply_chat_template(messages)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 2
+    assert model.config.rope_parameters["rope_type"] == "llama3"
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (original.bos_token_id, original.eos_token_id)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    output = model.generate(**prompt, max_new_tokens=3, do_sample=False) if hasattr(prompt, "keys") else \
+        model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert output.shape[-1] > 3
