@@ -5,8 +5,8 @@ import torch
 
 from trainer.checkpoint.export import export_hf
 from trainer.checkpoint.load import load_model_from_checkpoint
-from trainer.config import load_config
-from trainer.model.llama import load_or_build_model
+from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
+from trainer.model.llama import build_model_on_meta, materialize_on
 
 pytestmark = pytest.mark.integration
 
@@ -32,19 +32,26 @@ def test_export_round_trips_through_from_pretrained(trained_run, tmp_path):
 
 
 def test_init_from_an_export_loads_those_weights(trained_run, tmp_path):
+    """An export is a base model: its config and weights, read the way a first start reads them (a meta build,
+    then the files through DCP's Hugging Face reader), give the checkpoint's weights in fp32."""
     cfg, _ = trained_run
     out = export_hf(cfg.checkpoint_dir / "step-000008", tmp_path / "hf")
-    model = load_or_build_model(load_config(None, [f"--model.init_from={out}"]).model, vocab_size=258, seed=1,
-                                special_token_ids={"bos_token_id": 256, "eos_token_id": 257})
+    config = read_base_config(out)
+    model = build_model_on_meta(config)
+    materialize_on(model, torch.device("cpu"))
+    load_base_weights(model, out, index_base_weights(out, config, hash_files=False), no_dist=True)
     original, _ = load_model_from_checkpoint(cfg.checkpoint_dir / "step-000008")
     for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items()):
-        assert torch.equal(a, b), name
+        assert a.dtype == torch.float32 and torch.equal(a, b), name
 
 
 def test_init_from_a_folder_without_weights_names_the_field(tmp_path):
-    with pytest.raises(ValueError, match="model.init_from: .* must hold config.json and \\*.safetensors"):
-        load_or_build_model(load_config(None, [f"--model.init_from={tmp_path}"]).model, vocab_size=258, seed=1,
-                            special_token_ids={})
+    with pytest.raises(BaseModelError, match="model.init_from: .*config.json not found"):
+        read_base_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8, "intermediate_size": 8, '
+                                          '"num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 8}')
+    with pytest.raises(BaseModelError, match=r"model.init_from: .* has no \*.safetensors files"):
+        index_base_weights(tmp_path, read_base_config(tmp_path))
 
 
 PLAIN_TRANSFORMERS = """
