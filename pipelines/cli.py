@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "plan":
         try:
-            print(plan_command(args, cfg.tracking_uri))
+            print(plan_command(args, cfg.tracking_uri, cfg))
         except PlanError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

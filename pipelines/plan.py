@@ -6,9 +6,14 @@ keeps, from a run's measured costs or from flags (trainer.planning).
     python -m pipelines plan --run-id 3f2a...  --nodes 1024                 # costs measured by a finished run
     python -m pipelines plan ... --format json                              # {interval_seconds, interval_steps, configurations}
     python -m pipelines plan ... --plot build/goodput-vs-nodes.png --simulate 10
+    python -m pipelines plan --config pipelines/configs/eks-cpt.yaml --from-config --step-seconds 6 \
+        --checkpoint-stall-seconds 1      # the save, reload and start-up costs the config's model implies
 
-A flag overrides what the run measured; what neither gives takes the default of trainer.planning.goodput.Costs
-(step time and checkpoint stall have none: give them or a run). Exit 2 with the field named for a bad value.
+A flag overrides what the run measured, which overrides what the config implies (--from-config: the cluster's
+size, and the FSx save, reload and base-model read times of the real model's size at kubernetes.fsx_throughput_mbps,
+trainer.planning.model_size, with each GPU's memory estimate); what none gives takes the default of
+trainer.planning.goodput.Costs (step time and checkpoint stall have none: give them or a run). Exit 2 with the field
+named for a bad value.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.planning.goodput import CONFIGURATIONS, Costs, Plan, PlanError, make_plan
+from trainer.planning.model_size import ModelSizeError, gib, gpu_memory_bytes, model_shape, throughput_seconds
 from trainer.planning.simulate import FailureModel, simulate_many
 from trainer.planning.survival import job_survival, pod_restart_budget, simulate_survival
 
@@ -41,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                       else ""))
     parser.add_argument("--fault-mix", help="share of faults per class, e.g. exception=0.15,process=0.4,node=0.4,rack=0.05")
     parser.add_argument("--run-id", help="read the costs a finished MLflow train run measured (its cost_* metrics)")
+    parser.add_argument("--from-config", action="store_true",
+                        help="take the cluster's size and the save/reload/start-up costs the config's model implies")
     parser.add_argument("--tracking-uri", help="MLflow tracking URI for --run-id (default: the config's)")
     parser.add_argument("--configurations", help="comma-separated configurations to evaluate (default: all)")
     parser.add_argument("--format", default="text", choices=["text", "markdown", "json"])
@@ -82,9 +90,37 @@ def costs_from_run(tracking_uri: str, run_id: str) -> dict[str, float]:
     return found
 
 
-def build_costs(args: argparse.Namespace, measured: dict[str, float]) -> Costs:
+def costs_from_config(cfg) -> tuple[dict[str, float], list[str]]:
+    """What the config's model and cluster imply (trainer.planning.model_size), and lines that say so: the state's
+    write and read at the file system's throughput, the base model's read at a first start, and each GPU's memory."""
+    try:
+        shape = model_shape(cfg, cfg.dataset_dir)
+    except ModelSizeError as err:
+        raise PlanError(f"--from-config: {err}") from None
+    t, throughput = cfg.training, cfg.kubernetes.fsx_throughput_mbps
+    state = throughput_seconds(shape.state_bytes, throughput)
+    costs = {"nodes": t.num_nodes, "gpus_per_node": t.nproc_per_node, "fsx_reload_seconds": state,
+             "checkpoint_background_seconds": state}
+    if cfg.model.init_from:
+        costs["startup_seconds"] = throughput_seconds(1.1 * shape.weights_bytes, throughput)
+    shard_ranks = t.num_nodes * t.nproc_per_node // t.replica_groups
+    memory = gpu_memory_bytes(shape, shard_ranks=shard_ranks, batch_size=t.batch_size, seq_len=t.seq_len,
+                              activation_checkpointing=cfg.model.activation_checkpointing)
+    source = f"config.json of {cfg.base_model_dir}" if cfg.model.init_from else f"preset {cfg.model.preset}"
+    lines = [f"model: {shape.parameters / 1e9:.2f} B parameters ({source}); training state {gib(shape.state_bytes)}: "
+             f"an FSx save or reload {state:.0f} s at {throughput:g} MB/s"
+             + (f", the base model's first read {costs['startup_seconds']:.0f} s" if cfg.model.init_from else ""),
+             f"each GPU holds about {gib(memory['total'])}: sharded state {gib(memory['sharded_state'])} (over "
+             f"{shard_ranks} ranks), activations {gib(memory['activations'])}, logits {gib(memory['logits'])}, "
+             f"gathered layers {gib(memory['gathered_layers'])}"]
+    return costs, lines
+
+
+def build_costs(args: argparse.Namespace, measured: dict[str, float], implied: dict[str, float] | None = None
+                ) -> Costs:
     names = {f.name for f in dataclasses.fields(Costs)} - {"fault_mix", "scale_restarts"}
-    values = {k: v for k, v in measured.items() if k in names}
+    values = {k: v for k, v in (implied or {}).items() if k in names}
+    values.update({k: v for k, v in measured.items() if k in names})
     values.setdefault("nodes", 8)
     values.setdefault("node_mtbf_hours", LLAMA3_NODE_MTBF_HOURS)
     values.update({k: getattr(args, k) for k in names if getattr(args, k) is not None})
@@ -231,14 +267,19 @@ def render_plan(plan: Plan, fmt: str, simulated: dict[str, dict] | None = None,
     return "\n".join(lines)
 
 
-def plan_command(args: argparse.Namespace, tracking_uri: str) -> str:
-    """The plan as text/markdown/JSON; raises PlanError naming the field for a bad input."""
+def plan_command(args: argparse.Namespace, tracking_uri: str, cfg=None) -> str:
+    """The plan as text/markdown/JSON; raises PlanError naming the field for a bad input. cfg: the config, whose
+    model and cluster --from-config takes the costs from."""
     measured = costs_from_run(args.tracking_uri or tracking_uri, args.run_id) if args.run_id else {}
-    costs = build_costs(args, measured)
+    implied, model_lines = costs_from_config(cfg) if args.from_config else ({}, [])
+    costs = build_costs(args, measured, implied)
     names = [n.strip() for n in args.configurations.split(",")] if args.configurations else None
     plan = make_plan(costs, names)
     simulated = _simulated(plan, args) if args.simulate > 0 else None
     if args.plot:
         plot_goodput(costs, args.plot, names)
     budget = restart_budget(costs, args.work_days, args.simulate, args.seed)
-    return render_plan(plan, args.format, simulated, budget)
+    rendered = render_plan(plan, args.format, simulated, budget)
+    if args.format == "json" and model_lines:
+        return json.dumps({**json.loads(rendered), "model": model_lines}, indent=2)
+    return "\n".join([*model_lines, rendered]) if model_lines else rendered

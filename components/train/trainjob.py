@@ -35,7 +35,8 @@ from kubernetes.client.exceptions import ApiException
 from components.train.local import JobCancelled, cancel_on_sigterm
 from trainer.config import Config
 from trainer.env import BUDGET_SINCE_ENV, GENERATION_ENV, LAUNCHER_ENV, LIGHTHOUSE_ENV, RENDEZVOUS_NODES_ENV
-from trainer.launch.command import RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, trainer_command
+from trainer.launch.command import (RENDEZVOUS_JOB, initial_heartbeat_timeout, node_memory_gib, sizing_summary,
+                                    trainer_command)
 from trainer.launch.lighthouse import (LIGHTHOUSE_ARGS_ENV, LIGHTHOUSE_JOB, LIGHTHOUSE_PORT, lighthouse_address_of,
                                        lighthouse_command)
 from trainer.resilience.budget import read_gave_up
@@ -205,6 +206,7 @@ class TrainJobLauncher:
         name = job["metadata"]["name"]
         timeout, why = initial_heartbeat_timeout(self.cfg, Path(data_dir))
         log.info("initial heartbeat timeout %.0f s: %s", timeout, why)
+        log.info("%s", sizing_summary(self.cfg, Path(data_dir)))
         self._write_record({"name": name, "namespace": namespace, "attempt": attempt, "state": "Submitting",
                             "generation": generation, "submitted_at": submitted_at})
         try:

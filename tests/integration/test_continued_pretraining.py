@@ -6,6 +6,7 @@ the text in "content", .parquet) mixed 3:1, from S3 on loopback to the registere
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,71 @@ def test_the_registered_model_loads_in_plain_transformers_with_the_tokenizers_ch
     output = model.generate(**prompt, max_new_tokens=3, do_sample=False) if hasattr(prompt, "keys") else \
         model.generate(prompt, max_new_tokens=3, do_sample=False)
     assert output.shape[-1] > 3
+
+
+def _corrupt_copy(inputs, prefix: str) -> str:
+    """The base model again under another prefix, one safetensors file cut short."""
+    s3, base = inputs["s3"], inputs["base"]
+    _upload_folder(s3, base, "models", prefix)
+    victim = sorted(base.glob("*.safetensors"))[1]
+    s3.put_object(Bucket="models", Key=f"{prefix}/{victim.name}", Body=victim.read_bytes()[:-64])
+    return victim.name
+
+
+def _small_vocabulary(inputs, prefix: str) -> str:
+    folder = inputs["base"].parent / "small-vocab"
+    make_base_model(folder, inputs["texts"][:100], steps=0, vocab_size=200)  # rows for 200 of its 384 ids
+    _upload_folder(inputs["s3"], folder, "models", prefix)
+    return ""
+
+
+def _no_text_field(inputs, prefix: str) -> str:
+    inputs["s3"].put_object(Bucket="corpus", Key=f"{prefix}/a.jsonl", Body=b'{"content": "ok"}\n{"body": "x"}\n')
+    return ""
+
+
+def _corrupt_gzip(inputs, prefix: str) -> str:
+    data = bytearray(gzip.compress("".join(json.dumps({"content": t}) + "\n" for t in inputs["texts"]).encode()))
+    data[len(data) // 2:len(data) // 2 + 32] = bytes(32)
+    inputs["s3"].put_object(Bucket="corpus", Key=f"{prefix}/a.jsonl.gz", Body=bytes(data))
+    return ""
+
+
+@pytest.mark.parametrize("case, prepare, overrides, message", [
+    ("missing-weights", None, [f"--model.init_from={BASE}-missing"],
+     r"no objects under s3://models/base-models/tiny-llama-missing \(model.init_from\)"),
+    ("corrupt-weights", _corrupt_copy, ["--model.init_from=s3://models/base-models/corrupt"],
+     r"{victim}: not a valid safetensors file"),
+    ("tokenizer-mismatch", _small_vocabulary, ["--model.init_from=s3://models/base-models/small-vocab"],
+     r"data.tokenizer \(.*\) has 384 ids, the base model \(model.init_from, .*\) a vocabulary of 200"),
+    ("no-text-field", _no_text_field, ['--data.datasets=[{name: nofield, s3_uri: "s3://corpus/datasets/nofield", '
+                                       'text_field: content}]'],
+     r"a.jsonl:2: no 'content' field \(data.text_field\)"),
+    ("corrupt-gzip", _corrupt_gzip, ['--data.datasets=[{name: badgz, s3_uri: "s3://corpus/datasets/badgz", '
+                                     'text_field: content}]'],
+     r"a.jsonl.gz: corrupt gzip stream at compressed bytes \d+-\d+"),
+    ("zero-weight", None, ['--data.datasets=[{name: web, s3_uri: "s3://corpus/datasets/web", weight: 0}]'],
+     r"data.datasets\[0\].weight: must be > 0, got 0.0"),
+])
+def test_a_bad_input_is_one_line_naming_it_and_exit_2_before_training(inputs, tmp_path, case, prepare, overrides,
+                                                                     message):
+    prefix = {"corrupt-weights": "base-models/corrupt", "tokenizer-mismatch": "base-models/small-vocab",
+              "no-text-field": "datasets/nofield", "corrupt-gzip": "datasets/badgz"}.get(case)
+    victim = prepare(inputs, prefix) if prepare else ""
+    base = [] if any(o.startswith("--model.init_from") for o in overrides) else [f"--model.init_from={BASE}"]
+    proc = run_cli("stage", tmp_path, f"--data.tokenizer={BASE}", f"--data.datasets={DATASETS}",
+                   "--data.dataset_name=mix", *base, *overrides)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert re.search(message.format(victim=re.escape(victim)), line), line
+    assert not (tmp_path / "fsx" / "runs").exists()  # nothing trained
+
+
+def test_the_pipeline_stops_at_the_stage_with_exit_2_when_the_weights_are_missing(inputs, tmp_path):
+    proc = run_cli("run", tmp_path, "--run.run_id=missing", f"--model.init_from={BASE}-missing",
+                   f"--data.tokenizer={BASE}", f"--data.datasets={DATASETS}", "--data.dataset_name=mix", *SHAPE)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "fsx" / "runs" / "missing" / "summary.json").read_text())
+    [error] = summary["errors"]
+    assert error["step"] == "stage" and error["input_error"] and "model.init_from" in error["message"]
+    assert summary["steps"]["train"] is None

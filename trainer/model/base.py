@@ -192,13 +192,14 @@ class BaseWeightsReader(HuggingFaceStorageReader):
 
 
 def load_base_weights(model: torch.nn.Module, folder: Path, index: dict[str, Any] | None = None,
-                      *, no_dist: bool = False) -> dict[str, Any]:
+                      *, no_dist: bool = False, reader: BaseWeightsReader | None = None) -> dict[str, Any]:
     """Collective: fill the (sharded, materialised) model's parameters from the base model's files, each rank its
-    own rows. Returns what this rank read."""
+    own rows. Returns what this rank read. `reader`: a BaseWeightsReader of the folder (bench/startup_probe.py
+    measures through one)."""
     state = model.state_dict()
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # the embedding itself
-    reader = BaseWeightsReader(Path(folder), index)
+    reader = reader or BaseWeightsReader(Path(folder), index)
     dcp.load(state, storage_reader=reader, no_dist=no_dist)
     return {"bytes_read": reader.bytes_read, "tensors": len(state)}
 
