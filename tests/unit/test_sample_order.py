@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from trainer.data.batches import TokenBatches, rank_samples
+from trainer.data.batches import TokenBatches, rank_samples, skipped_ranges
 from trainer.data.samples import Mixture, epoch_key, permute
 from trainer.data.shards import tokenize_files
 
@@ -92,3 +92,12 @@ def test_windows_are_seq_len_plus_one_tokens_every_seq_len(mixed):
     assert np.array_equal(inputs[:, 1:], labels[:, :-1])
     assert np.array_equal(corpus.window(1)[0], corpus.window(0)[-1])  # windows overlap by the one target token
     assert corpus.windows == (len(corpus.tokens) - 1) // 16
+
+
+def test_the_skipped_ranges_are_exactly_the_missing_groups_rank_samples():
+    """2 groups x 2 ranks x batch 4, 2 micro-steps: group 1's ranks are global ranks 2 and 3."""
+    ranges = skipped_ranges(64, [1], groups=2, group_slice=2 * 4, micro_steps=2)
+    group_1 = sorted(i for m in range(2) for r in (2, 3) for i in rank_samples(64, m, r, 4, 4))
+    assert ranges == [[72, 80], [88, 96]]
+    assert [i for start, end in ranges for i in range(start, end)] == group_1
+    assert skipped_ranges(64, [], groups=2, group_slice=8, micro_steps=2) == []

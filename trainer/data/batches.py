@@ -144,6 +144,15 @@ class TokenBatches:
         """Each corpus's epochs (fractional) by the first `consumed` samples: 1.0 when each window was seen once."""
         return {c.name: drawn / c.windows for c, drawn in zip(self.corpora, self.mixture.drawn(consumed))}
 
+    def position(self, first_sample: int, next_sample: int) -> dict[str, float]:
+        """Where a step left the stream (a metrics record's fields): its first index, the samples and tokens taken
+        so far, and each corpus's samples and epochs (fractional: 1.0 when each of its windows was drawn once)."""
+        epochs = self.epochs(next_sample)
+        return {"first_sample": first_sample, "samples_seen": next_sample, "tokens_seen": next_sample * self.seq_len,
+                "epoch": max(epochs.values()),
+                **{f"samples/{name}": count for name, count in self.drawn(next_sample).items()},
+                **{f"epoch/{name}": epoch for name, epoch in epochs.items()}}
+
     def sequential(self, max_batches: int) -> Iterable[tuple[np.ndarray, np.ndarray]]:
         """The first windows of each corpus in mixing order, unpermuted (evaluation: the same batches every time)."""
         count = max_batches * self.batch_size
@@ -161,3 +170,11 @@ def rank_samples(first_sample: int, micro_step: int, rank: int, ranks: int, batc
     this rank's batch_size of it."""
     start = first_sample + (micro_step * ranks + rank) * batch_size
     return np.arange(start, start + batch_size, dtype=np.int64)
+
+
+def skipped_ranges(first_sample: int, missing_groups: list[int], *, groups: int, group_slice: int,
+                   micro_steps: int) -> list[list[int]]:
+    """The global indices [start, end) of a step's samples that replica groups missing from it did not train: each
+    missing group's slice (its ranks x batch_size) of every micro-step (rank_samples' layout)."""
+    return [[start, start + group_slice] for micro in range(micro_steps) for group in missing_groups
+            for start in [first_sample + (micro * groups + group) * group_slice]]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer.run.lease import check_fence_of_this_process
 from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import step_dir_name
+from trainer.data.batches import skipped_ranges
 from trainer.config import Config
 from trainer.job.startup import start_process
 from trainer.model.base import load_base_weights
@@ -234,7 +235,8 @@ class Trainer:
                 # what this step trained, and what the groups missing from it did not (replica groups)
                 "samples": self.global_batch - samples_skipped, "samples_skipped": samples_skipped,
                 "grad_norm": float(grad_norm), "step_seconds": seconds, "data_seconds": data_seconds,
-                "tokens_per_second": tokens / seconds, **self._stream_position(first_sample),
+                "tokens_per_second": tokens / seconds,
+                **self.batches.position(first_sample, self.next_sample),
                 **({"skipped_samples": skipped} if skipped else {}), **self.replica_groups.figures(),
                 **({"replicas_equal": replicas_equal} if replicas_equal is not None else {})}
 
@@ -248,24 +250,12 @@ class Trainer:
         """Samples a step takes from the stream (trained, or skipped by a replica group missing from it)."""
         return self.cfg.training.batch_size * self.cfg.training.grad_accum_steps * self.data_parallel_ranks
 
-    def _stream_position(self, first_sample: int) -> dict[str, float]:
-        """Where the step left the sample stream: its first index, the samples and tokens taken so far, and each
-        corpus's samples and epochs (fractional: 1.0 when each of its windows was drawn once)."""
-        epochs = self.batches.epochs(self.next_sample)
-        return {"first_sample": first_sample, "samples_seen": self.next_sample,
-                "tokens_seen": self.next_sample * self.cfg.training.seq_len, "epoch": max(epochs.values()),
-                **{f"samples/{name}": count for name, count in self.batches.drawn(self.next_sample).items()},
-                **{f"epoch/{name}": epoch for name, epoch in epochs.items()}}
-
     def _skipped_samples(self, first_sample: int) -> list[list[int]]:
-        """The global indices [start, end) of the step's samples that replica groups missing from it did not train:
-        each missing group's slice of every micro-batch."""
-        taking_part = set(self.replica_groups.participating_groups)
-        slice_ = self.cfg.training.batch_size * self.world_size  # a group's share of one micro-batch
-        return [[start, start + slice_]
-                for micro in range(self.cfg.training.grad_accum_steps)
-                for group in range(self.replica_groups.groups) if group not in taking_part
-                for start in [first_sample + (micro * self.replica_groups.groups + group) * slice_]]
+        """The global indices [start, end) of the step's samples that replica groups missing from it did not train."""
+        missing = [g for g in range(self.replica_groups.groups) if g not in self.replica_groups.participating_groups]
+        return skipped_ranges(first_sample, missing, groups=self.replica_groups.groups,
+                              group_slice=self.cfg.training.batch_size * self.world_size,
+                              micro_steps=self.cfg.training.grad_accum_steps)
 
     def should_continue_training(self) -> bool:
         return self.step < self.cfg.training.num_steps

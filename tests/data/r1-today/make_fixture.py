@@ -1,6 +1,8 @@
-"""Made tests/data/r1-today/losses.json once, from a checkout of commit 32e85b0 (before replica groups): the
-per-step losses of a clean run in two shapes, one node of 2 ranks and 2 nodes of 2 ranks, on the test suite's
-token data (tests/integration/conftest.py's token_dir and FAST_TRAINING), with the versions that computed them.
+"""Made tests/data/r1-today/losses.json: the per-step losses of a clean run in two shapes, one node of 2 ranks and
+2 nodes of 2 ranks, on the test suite's token data (tests/integration/conftest.py's token_dir and FAST_TRAINING),
+with the versions that computed them. First from a checkout of commit 32e85b0 (before replica groups); made again
+once at commit 9a17704, whose sample order (issue 40: the k-th sample a function of (seed, k), epochs without
+replacement) changed the batches R = 1 trains — the one change of its losses the issue allowed.
 
     PYTHONPATH=. .venv/bin/python tests/data/r1-today/make_fixture.py /tmp/r1/work > out   # in that checkout
 
