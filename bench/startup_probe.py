@@ -41,6 +41,7 @@ def _evict(folder: Path) -> None:
     for path in folder.glob("*.safetensors"):
         fd = os.open(path, os.O_RDONLY)
         try:
+            os.fsync(fd)  # dirty pages (a file just written) are not dropped: written back first
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)

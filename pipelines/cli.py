@@ -32,7 +32,7 @@ from components.context import tracker
 from components.mlflow_server import TrackingUnavailable
 from pipelines import submit as kfp_submit
 from pipelines.compare import compare_runs, comparison_plot, render
-from pipelines.console import print_summary
+from pipelines.summary import print_summary
 from pipelines.local_run import STAGE_ERRORS, run_locally, stage_locally
 from pipelines.pipeline import build_pipeline
 from pipelines.plan import __doc__ as plan_doc

@@ -104,6 +104,7 @@ def test_the_corpora_are_mixed_by_weight_and_the_unknown_file_is_counted(run):
     stage = json.loads((run["run_dir"] / "steps" / "stage.json").read_text())
     assert stage["unknown_files"] == 1 and {d["dataset"]: d["text_field"] for d in stage["datasets"]} == \
         {"web": "content", "code": "text"}
+    assert "1 file(s) of no document format skipped (data.unknown_files)" in run["proc"].stdout  # on the console
     mixture = json.loads((run["work"] / "fsx" / "datasets" / "mix" / "tokens.json").read_text())
     assert [(m["name"], m["weight"]) for m in mixture["mixture"]] == [("web", 3.0), ("code", 1.0)]
     manifest = json.loads((run["work"] / "fsx" / "datasets" / "code" / "stage-manifest.json").read_text())

@@ -12,7 +12,8 @@ from components.forwarder import RunFolderForwarder
 from components.run_metrics import STRAGGLER_TABLE
 from components.tracking import Tracker
 from components.train.local import run_local_training
-from pipelines.console import TrainingProgress, print_summary
+from pipelines.console import TrainingProgress
+from pipelines.summary import print_summary
 from trainer.config.drills import STARTUP_PHASES
 from trainer.run.events import read_events
 from trainer.run.history import control_state

@@ -63,7 +63,7 @@ def test_the_same_documents_tokenize_to_the_same_tokens_whatever_the_format(tmp_
     packed.mkdir()
     (packed / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(TEXTS)))
     first = tokenize_files([plain / "a.jsonl"], tmp_path / "t1", 0.1, text_field="content")
-    second = tokenize_files([packed / "a.jsonl.zst"], tmp_path / "t2", 0.1, text_field="content")
+    tokenize_files([packed / "a.jsonl.zst"], tmp_path / "t2", 0.1, text_field="content")
     for split in ("train", "val"):
         assert np.array_equal(np.fromfile(tmp_path / "t1" / f"{split}.bin", dtype=np.uint16),
                               np.fromfile(tmp_path / "t2" / f"{split}.bin", dtype=np.uint16))

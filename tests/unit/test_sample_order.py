@@ -50,8 +50,8 @@ def _token_dir(tmp_path, name, documents):
 
 @pytest.fixture
 def mixed(tmp_path):
-    web = _token_dir(tmp_path, "web", [f"web page {i} " * 3 for i in range(400)])
-    code = _token_dir(tmp_path, "code", [f"def f{i}(): return {i}" for i in range(200)])
+    _token_dir(tmp_path, "web", [f"web page {i} " * 3 for i in range(400)])
+    _token_dir(tmp_path, "code", [f"def f{i}(): return {i}" for i in range(200)])
     mixture = tmp_path / "mix"
     mixture.mkdir()
     (mixture / "tokens.json").write_text(json.dumps({"mixture": [{"name": "web", "dir": "../web", "weight": 3},

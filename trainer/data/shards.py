@@ -24,7 +24,8 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from trainer.data.documents import CHUNK_CHARS, DOCUMENT_FORMATS, Chunk, DataError, documents, text_chunks
+from trainer.data.documents import CHUNK_CHARS, DOCUMENT_FORMATS, Chunk, DataError, text_chunks
+from trainer.data.documents import documents as documents_of
 from trainer.data.tokenizer import LoadedTokenizer, load_tokenizer
 from trainer.run.run_dir import write_json
 
@@ -52,7 +53,7 @@ def _tokenize_chunk(chunk: Chunk, tokenizer: str, val_fraction: float, dtype: st
     if tokenizer not in _worker_tokenizers:
         _worker_tokenizers[tokenizer] = load_tokenizer(tokenizer)
     loaded = _worker_tokenizers[tokenizer]
-    texts = list(documents(chunk, text_field))
+    texts = list(documents_of(chunk, text_field))
     encoded = [text.encode("utf-8") for text in texts]  # once, for the split and the byte tokenizer
     held = [_held_out(data, val_fraction) for data in encoded]
     out = {}

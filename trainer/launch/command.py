@@ -14,7 +14,6 @@ resilience.initial_heartbeat_timeout is set.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path

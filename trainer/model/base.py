@@ -32,6 +32,8 @@ from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -39,7 +41,7 @@ from trainer.config.rules import InputError
 
 log = logging.getLogger(__name__)
 
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: each tensor's byte offsets in its file
 BASE_INDEX = "weights-index.json"  # beside a staged model's hf/ folder (the stage step writes it)
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -124,8 +126,13 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
                     tensors[name] = {"file": path.name, "dtype": part.get_dtype(), "shape": list(part.get_shape())}
         except (SafetensorError, OSError, ValueError) as err:
             raise BaseModelError(f"{path}: not a valid safetensors file ({err}): stage the model again") from err
-        with path.open("rb") as handle:
-            header_bytes = 8 + int.from_bytes(handle.read(8), "little")  # safetensors: u64 length, then the JSON
+        with path.open("rb") as handle:  # safetensors: a u64 length, then the JSON header (safe_open checked it)
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        header_bytes = 8 + length
+        for name, entry in header.items():
+            if name != "__metadata__":
+                tensors[name]["offsets"] = entry["data_offsets"]
         stat = path.stat()
         old = known.get(path.name)
         same = old is not None and (old["bytes"], old["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
@@ -154,8 +161,12 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
 
 
 class BaseWeightsReader(HuggingFaceStorageReader):
-    """DCP's Hugging Face reader, with the metadata from the index when there is one (one small file, instead of
-    every safetensors header on every rank), and every byte it reads counted (trainer.checkpoint.reads)."""
+    """DCP's Hugging Face reader (its metadata and planning: any sharding of the model gets its slices), reading
+    through the index when there is one: the metadata from it (one small file, instead of every safetensors header
+    on every rank), and each slice that is a run of whole rows (every FSDP2 shard) with positional reads of exactly
+    its bytes, the file opened for random access — a memory map's read-around would fetch the next rank's rows too,
+    and on a cold cache every rank would read most of the file. Any other slice goes through DCP's own path. Every
+    byte read is counted (``bytes_read``)."""
 
     def __init__(self, folder: Path, index: dict[str, Any] | None = None):
         super().__init__(str(folder))
@@ -179,14 +190,51 @@ class BaseWeightsReader(HuggingFaceStorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def read_data(self, plan, planner):
-        if self._index is not None:  # each file this rank opens: its header is read too
-            headers = {os.path.join(self.path, f["name"]): f["header_bytes"] for f in self._index["files"]}
-            opened = {self.storage_data[item.storage_index].relative_path for item in plan.items}
-            self.bytes_read += sum(headers[path] for path in opened)
-        return super().read_data(plan, planner)
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._index is None:
+            return super().read_data(plan, planner)
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self._index["tensors"][item.storage_index.fqn]["file"], []).append(item)
+        headers = {f["name"]: f["header_bytes"] for f in self._index["files"]}
+        other = []
+        for name, items in by_file.items():
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                other += [item for item in items if not self._read_rows(fd, headers[name], item, planner)]
+            finally:
+                os.close(fd)
+        if other:
+            self.bytes_read += sum(headers[n] for n in {self._index["tensors"][i.storage_index.fqn]["file"] for i in other})
+            return super().read_data(LoadPlan(other), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
-    def _process_read_request(self, f, req, planner) -> None:
+    def _read_rows(self, fd: int, header_bytes: int, item, planner: LoadPlanner) -> bool:
+        """Read a slice of whole rows into its target with positional reads; False for any other slice."""
+        tensor = self._index["tensors"][item.storage_index.fqn]
+        shape, dtype = tensor["shape"], _DTYPES[tensor["dtype"]]
+        if any(item.storage_offsets[1:]) or list(item.lengths[1:]) != shape[1:]:
+            return False
+        row = int(torch.Size(shape[1:]).numel()) * dtype.itemsize
+        start = header_bytes + tensor["offsets"][0] + item.storage_offsets[0] * row
+        buffer = torch.empty(item.lengths[0] * row, dtype=torch.uint8)
+        view, done = memoryview(buffer.numpy()), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got == 0:
+                raise BaseModelError(f"{os.path.join(self.path, tensor['file'])}: ends before {item.storage_index.fqn}'s "
+                                     "rows: the file changed since the stage step checked it; stage the model again")
+            done += got
+        target = planner.resolve_tensor(item).detach()
+        target.copy_(buffer.view(dtype).view(list(item.lengths)))
+        planner.commit_tensor(item, target)
+        self.bytes_read += len(view)
+        return True
+
+    def _process_read_request(self, f, req, planner) -> None:  # DCP's own path (no index, or an odd slice)
         super()._process_read_request(f, req, planner)
         self.bytes_read += int(torch.Size(req.lengths).numel()) * self.storage_data[req.storage_index].dtype.itemsize
 
