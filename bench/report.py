@@ -427,6 +427,33 @@ def data_section(d: dict) -> list[str]:
     ]
 
 
+def startup_section(s: dict) -> list[str]:
+    rows = []
+    for world, r in s["world_sizes"].items():
+        first = r["seconds_to_first_step"]
+        rows.append([world, *(f"{r['read_over_model_size'][p]:.2f}" for p in ("today", "new")),
+                     *(f"{r['peak_rss_over_shard'][p]:.2f}" for p in ("today", "new")),
+                     *(f"{first[p]:.1f}" if p in first else "n/a" for p in ("today", "new"))])
+    worst_read = max(r["read_over_model_size"]["new"] for r in s["world_sizes"].values())
+    return [
+        "## Start-up from a base model — `bench/startup.py`", "",
+        "```bash", ".venv/bin/python bench/startup.py      # 101 M parameters at 1, 2 and 4 ranks, ~10 min", "```", "",
+        f"{when(s)}A base model of the `{s['preset']}` preset's shape ({s['weights_bytes'] / 1e6:.0f} MB of bf16 "
+        "safetensors) loaded at a start: today's path (commit 836d549: every rank `from_pretrained` in fp32, then "
+        "FSDP2 keeps its shard) against the new one (`trainer/model/base.py`: a meta build, sharded, each rank reading "
+        "its rows through DCP's Hugging Face reader). *Read / model*: what the storage served every rank "
+        "(`/proc/<pid>/io` read_bytes), each rank reading in turn from a cold page cache as one rank per node would, "
+        "summed, over the files' size. *Peak RSS / shard*: the largest rank's peak RSS over what it held before the "
+        "load, over its shard's fp32 bytes. *First step*: the trainer under torchrun, launch to the first step's "
+        "metrics line (imports included).", "",
+        *table(["ranks", "read / model: today", "new", "peak RSS / shard: today", "new", "first step s: today", "new"],
+               rows),
+        *table(["goal", "value", ""], [
+            ["bytes read at a start ≤ 1.1 × the model (new, any world size)", f"{worst_read:.2f}",
+             goal(worst_read, 1.1, at_least=False)]]),
+    ]
+
+
 def pipeline_steps_section(p: dict) -> list[str]:
     lines = [
         "## Pipeline steps — `bench/pipeline_steps.py`", "",
@@ -644,7 +671,7 @@ def restart_budget_section() -> list[str]:
 def main() -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     results = {name: load(f"{name}.json") for name in ("checkpoint", "recovery", "goodput", "staging", "data",
-                                                         "pipeline_steps", "straggler", "control_plane")}
+                                                         "startup", "pipeline_steps", "straggler", "control_plane")}
     info = next((r["machine"] for r in results.values() if r and "machine" in r), None) or machine()
     lines = [
         "# Benchmarks", "",
@@ -657,6 +684,7 @@ def main() -> int:
     ]
     for name, section in (("checkpoint", checkpoint_section), ("recovery", recovery_section),
                           ("goodput", goodput_section), ("staging", staging_section), ("data", data_section),
+                          ("startup", startup_section),
                           ("pipeline_steps", pipeline_steps_section), ("straggler", straggler_section),
                           ("control_plane", lambda r: control_plane_section(r, load("control_plane_before.json")))):
         if results[name] is not None:

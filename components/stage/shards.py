@@ -109,8 +109,9 @@ def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction
         metas.append(meta)
     first = metas[0]
     for shard, meta in zip(shards, metas):
-        if (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["val_fraction"], meta.get("text_field", "text")) != (
-                first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction, text_field):
+        settings = (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["val_fraction"],
+                    meta.get("text_field", "text"))
+        if settings != (first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction, text_field):
             raise DataError(f"{dataset_dir / shard['dir'] / META_FILE}: tokenized with other settings than the rest "
                             f"(tokenizer, dtype, data.val_fraction or the text field): run the pipeline again")
     loaded = load_tokenizer(tokenizer)
@@ -156,8 +157,8 @@ def write_mixture(data_dir: Path, parts: list[tuple[Any, Path, dict[str, Any]]])
     mixture = [{"name": source.name, "dir": os.path.relpath(folder, data_dir), "weight": source.weight,
                 "text_field": source.text_field, "content_hash": tokens["content_hash"]}
                for source, folder, tokens in parts]
-    splits = {split: {key: sum(tokens["splits"][split][key] for _, _, tokens in parts) for key in ("tokens", "documents")}
-              for split in ("train", "val")}
+    splits = {split: {key: sum(tokens["splits"][split][key] for _, _, tokens in parts)
+                      for key in ("tokens", "documents")} for split in ("train", "val")}
     content_hash = hashlib.sha256(json.dumps([[m["name"], m["weight"], m["content_hash"]] for m in mixture])
                                   .encode()).hexdigest()
     meta = {"format_version": SHARD_FORMAT_VERSION, "mixture": mixture, "tokenizer": tokenizer, "vocab_size": vocab,

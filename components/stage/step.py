@@ -71,7 +71,8 @@ def run_stage(cfg: Config, data_fingerprint: str = "", *, tokenize: bool = True)
     staged = {"data_dir": str(cfg.dataset_dir), "s3_uri": ", ".join(m["s3_uri"] for m in manifests),
               "mode": cfg.data.stage_mode, "objects": sum(m["object_count"] for m in manifests),
               "bytes": sum(m["bytes"] for m in manifests), "downloaded": sum(m["downloaded"] for m in manifests),
-              "deleted": sum(len(m["deleted"]) for m in manifests), "skipped": sum(m["skipped_count"] for m in manifests),
+              "deleted": sum(len(m["deleted"]) for m in manifests),
+              "skipped": sum(m["skipped_count"] for m in manifests),
               "unknown_files": sum(m["unknown_files_count"] for m in manifests),
               "manifest_hash": manifest_hash, "dra": manifests[0]["dra"], "data_fingerprint": data_fingerprint,
               "datasets": [_dataset_summary(m) for m in manifests], "models": [_model_summary(m) for m in models],
@@ -182,6 +183,7 @@ def run_record_stage(cfg: Config, staged: dict[str, Any]) -> dict[str, Any]:
         mlflow.set_tags(tracking.PARENT, hashes)  # runs are compared by the data and the base model they trained on
         mlflow.log_artifact(run, Path(staged["data_dir"]) / STAGE_MANIFEST)
         for model in staged["models"]:
-            mlflow.log_artifact(run, Path(model["dir"]).parent / STAGE_MANIFEST, artifact_path=f"models/{model['kind']}")
+            mlflow.log_artifact(run, Path(model["dir"]).parent / STAGE_MANIFEST,
+                                artifact_path=f"models/{model['kind']}")
         write_step_result(cfg, "stage", staged)
     return staged

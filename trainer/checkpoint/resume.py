@@ -74,7 +74,8 @@ class ResumeChoice:
         try:
             prehashed = self._prefetch.verified_files(path) if self._prefetch is not None else set()
             with self._phase("restore_fsx"):
-                stats = load_checkpoint(state, path, optional=("rng", "data"), prehashed=prehashed)  # verifies as it reads
+                # verifies as it reads; per-rank RNG and the sample position only where the checkpoint has them
+                stats = load_checkpoint(state, path, optional=("rng", "data"), prehashed=prehashed)
         except CheckpointError as err:  # raised on every rank alike: DCP gathers every rank's read errors
             log.warning("skipping checkpoint %s (step %s): %s", path, disk_step, err)
             if self._rank == 0:

@@ -21,7 +21,7 @@ from trainer.config.model import MODEL_PRESETS, ModelConfig
 from trainer.config.training import CheckpointConfig, RunConfig, TrainingConfig
 from trainer.config.tree import Config
 
-__all__ = ["CONFIG_DIR", "Config", "ConfigError", "CheckpointConfig", "DataConfig", "DatasetConfig", "EvalConfig", "FaultsConfig",
-           "KubernetesConfig", "LocalConfig", "MODEL_PRESETS", "MlflowConfig", "ModelConfig", "ResilienceConfig",
-           "RunConfig", "TrainingConfig", "check_s3_uri", "config_from_dict", "config_from_yaml_text", "load_config",
-           "merge_overrides", "parse_overrides", "resolve_config_path"]
+__all__ = ["CONFIG_DIR", "Config", "ConfigError", "CheckpointConfig", "DataConfig", "DatasetConfig", "EvalConfig",
+           "FaultsConfig", "KubernetesConfig", "LocalConfig", "MODEL_PRESETS", "MlflowConfig", "ModelConfig",
+           "ResilienceConfig", "RunConfig", "TrainingConfig", "check_s3_uri", "config_from_dict", "config_from_yaml_text",
+           "load_config", "merge_overrides", "parse_overrides", "resolve_config_path"]

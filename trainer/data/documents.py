@@ -119,7 +119,8 @@ def _json_lines(path: Path, data: bytes, text_field: str, first_line) -> Iterato
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = first_line() + data.count(b"\n", 0, err.start)
-        raise DataError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start} of the line's chunk)") from err
+        raise DataError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start} of the line's chunk)"
+                        ) from err
     # Universal newlines, as the file's line reader always had.
     for index, line in enumerate(io.StringIO(text, newline=None)):
         if not line.strip():

@@ -11,7 +11,8 @@ Runbook (from the repository root, after the stage step has written token shards
 
 Any ``--section.key=value`` after the known flags overrides the config. Rank 0 writes
 ``<run_dir>/metrics.jsonl`` (one line per step) and ``result.json`` at the end. Exit code 2 names a bad
-config field, base model, tokenizer or corpus; exit code 42 means the restart budget gave up on a crash loop (trainer.resilience.budget).
+config field, base model, tokenizer or corpus; exit code 42 means the restart budget gave up on a crash loop
+(trainer.resilience.budget).
 With resilience.in_process the training runs inside NVRx's in-process restart.
 """
 

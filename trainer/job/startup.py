@@ -161,8 +161,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         # Checkpoints describe themselves: resume, validation and export need nothing else.
         metadata={"world_size": world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
                   "model_config": model_config.to_dict(), "tokenizer": meta["tokenizer"],
-                  "base_model": ({"init_from": cfg.model.init_from, "content_hash": base_weights["index"]["content_hash"]}
-                                 if base_weights is not None else None),
+                  "base_model": None if base_weights is None else {
+                      "init_from": cfg.model.init_from, "content_hash": base_weights["index"]["content_hash"]},
                   "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},
         memory=memory, s3=S3Tier(ckpt.s3_uri, cfg.run.run_id, cfg.data.s3_endpoint_url) if ckpt.s3_uri else None,
         save_point=resilience.injector.at_save_point, fence=fence, prefetch=prefetch, phase=watchdog.phase,

@@ -119,7 +119,8 @@ class Trainer:
                 _local(p).copy_(value)
                 for key, tensor in optim.items():
                     _local(self.optimizer.state[p][key]).copy_(tensor)
-        self.step, self.last_loss, self.next_sample = int(state["step"]), float(state["last_loss"]), int(state["next_sample"])
+        self.step, self.last_loss = int(state["step"]), float(state["last_loss"])
+        self.next_sample = int(state["next_sample"])
 
     def resume(self) -> None:
         """Take up the newest state there is; the checkpoint manager decides which (and says why)."""

@@ -136,7 +136,8 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
         stat = path.stat()
         old = known.get(path.name)
         same = old is not None and (old["bytes"], old["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
-        listed.append({"name": path.name, "bytes": stat.st_size, "header_bytes": header_bytes, "mtime_ns": stat.st_mtime_ns,
+        listed.append({"name": path.name, "bytes": stat.st_size, "header_bytes": header_bytes,
+                       "mtime_ns": stat.st_mtime_ns,
                        "xxh3": old["xxh3"] if same else _file_digest(path) if hash_files else None})
     for name, shape in expected_tensors(config).items():
         found = tensors.get(name)
@@ -206,7 +207,8 @@ class BaseWeightsReader(HuggingFaceStorageReader):
             finally:
                 os.close(fd)
         if other:
-            self.bytes_read += sum(headers[n] for n in {self._index["tensors"][i.storage_index.fqn]["file"] for i in other})
+            files = {self._index["tensors"][item.storage_index.fqn]["file"] for item in other}
+            self.bytes_read += sum(headers[name] for name in files)  # DCP's path reads their headers
             return super().read_data(LoadPlan(other), planner)
         done: Future[None] = Future()
         done.set_result(None)
@@ -225,8 +227,9 @@ class BaseWeightsReader(HuggingFaceStorageReader):
         while done < len(view):
             got = os.preadv(fd, [view[done:]], start + done)
             if got == 0:
-                raise BaseModelError(f"{os.path.join(self.path, tensor['file'])}: ends before {item.storage_index.fqn}'s "
-                                     "rows: the file changed since the stage step checked it; stage the model again")
+                raise BaseModelError(f"{os.path.join(self.path, tensor['file'])}: ends before the rows of "
+                                     f"{item.storage_index.fqn}: the file changed since the stage step checked it; "
+                                     "stage the model again")
             done += got
         target = planner.resolve_tensor(item).detach()
         target.copy_(buffer.view(dtype).view(list(item.lengths)))

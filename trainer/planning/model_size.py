@@ -53,7 +53,8 @@ class ModelShape:
                    num_key_value_heads=int(config.get("num_key_value_heads") or heads),
                    head_dim=int(config.get("head_dim") or hidden // heads), vocab_size=int(config["vocab_size"]),
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   attention_bias=bool(config.get("attention_bias", False)), mlp_bias=bool(config.get("mlp_bias", False)),
+                   attention_bias=bool(config.get("attention_bias", False)),
+                   mlp_bias=bool(config.get("mlp_bias", False)),
                    weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"))
 
     @property
