@@ -244,8 +244,8 @@ def test_missing_bucket_fails_clearly_and_touches_nothing_saved(successful_run, 
 
     proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=nobucket",
                    "--local.upload_demo_data=false", "--data.s3_uri=s3://no-such-bucket/data", *FAST, cwd=work)
-    assert proc.returncode == 1
-    assert "FAILED at stage: StageError: s3://no-such-bucket/data/: the S3 bucket does not exist" in proc.stdout
+    assert proc.returncode == 2  # an input the run cannot use, named before any training
+    assert "FAILED at stage: StageInputError: s3://no-such-bucket/data/: the S3 bucket does not exist" in proc.stdout
     summary = json.loads((work / "fsx" / "runs" / "nobucket" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["errors"][0]["step"] == "stage"
     assert {p.name: p.stat().st_mtime_ns for p in checkpoint.iterdir()} == before
