@@ -41,11 +41,11 @@ STAGE_ERROR = "stage.error.json"  # a failed stage, beside the dataset (a cached
 SHOWN_UNKNOWN = 100  # unknown files named in the manifest (all are counted)
 
 
-def listing_fingerprint(data, objects: list[dict[str, Any]], s3_uri: str = "", extra: tuple = ()) -> str:
+def listing_fingerprint(data, objects: list[dict[str, Any]], s3_uri: str = "") -> str:
     """What staging one prefix produces depends on: its listing (keys, sizes, ETags) and the data settings."""
     listing = sorted((o["key"], o["bytes"], o["etag"]) for o in objects)
     return hashlib.sha256(json.dumps([s3_uri or data.s3_uri, data.stage_mode, data.tokenizer, data.val_fraction,
-                                      data.on_bad_key, data.unknown_files, *extra, listing]).encode()).hexdigest()[:32]
+                                      data.on_bad_key, data.unknown_files, listing]).encode()).hexdigest()[:32]
 
 
 def data_fingerprint(cfg) -> str:

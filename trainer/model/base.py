@@ -139,7 +139,8 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
         listed.append({"name": path.name, "bytes": stat.st_size, "header_bytes": header_bytes,
                        "mtime_ns": stat.st_mtime_ns,
                        "xxh3": old["xxh3"] if same else _file_digest(path) if hash_files else None})
-    for name, shape in expected_tensors(config).items():
+    expected = expected_tensors(config)
+    for name, shape in expected.items():
         found = tensors.get(name)
         if found is None:
             raise BaseModelError(f"model.init_from: {folder} has no tensor {name!r} in its safetensors files: not a "
@@ -153,7 +154,6 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
     combined = xxhash.xxh3_128()
     for entry in listed:
         combined.update(f"{entry['name']}:{entry['xxh3']};".encode())
-    expected = expected_tensors(config)
     return {"format_version": INDEX_FORMAT_VERSION, "content_hash": combined.hexdigest() if hash_files else None,
             "files": listed,
             "bytes": sum(f["bytes"] for f in listed),
