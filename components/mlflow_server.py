@@ -102,8 +102,44 @@ class MlflowServer:
             self._log_table(run_id, op["data"], table_part_file(op["artifact_file"], op["first_row"]))
         elif op["op"] == "end_run":
             client.set_terminated(run_id, status=op["status"], end_time=int(op["time"] * 1000))
+        elif op["op"] == "logged_model":
+            self._logged_model(run_id, op, state)
+        elif op["op"] == "dataset":
+            self._dataset_input(run_id, op)
         else:
             raise AssertionError(f"unknown spool record {op['op']}")
+
+    def _logged_model(self, run_id: str, op: dict[str, Any], state: dict[str, Any]) -> None:
+        from mlflow.entities import Metric  # mlflow: see deliver
+
+        client = self.client()
+        key = f"{op['run']}/{op['name']}"
+        model_id = state.setdefault("models", {}).get(key)
+        if model_id is None:
+            found = client.search_logged_models([self._experiment_id()], max_results=1,
+                                                filter_string=f"name = '{op['name']}' AND source_run_id = '{run_id}'")
+            model_id = found[0].model_id if found else client.create_logged_model(
+                self._experiment_id(), name=op["name"], source_run_id=run_id, model_type="llama").model_id
+            state["models"][key] = model_id
+        if op["params"]:
+            client.log_model_params(model_id, {k: str(v) for k, v in op["params"].items()})
+        if op["tags"]:
+            client.set_logged_model_tags(model_id, op["tags"])
+        if op["metrics"]:
+            client.log_batch(run_id, metrics=[Metric(k, float(v), int(op["time"] * 1000), int(op["step"]),
+                                                     model_id=model_id) for k, v in op["metrics"].items()])
+        if op["ready"]:
+            client.finalize_logged_model(model_id, "READY")
+
+    def _dataset_input(self, run_id: str, op: dict[str, Any]) -> None:
+        from mlflow.data.dataset_source_registry import resolve_dataset_source  # mlflow: see deliver
+        from mlflow.data.meta_dataset import MetaDataset
+        from mlflow.entities import DatasetInput, InputTag
+
+        # MLflow keeps 36 characters of a digest: the content hash's first 32 (128 bits), the whole one as a tag.
+        dataset = MetaDataset(source=resolve_dataset_source(op["source"]), name=op["name"], digest=op["digest"][:32])
+        tags = [InputTag("mlflow.data.context", op["context"]), InputTag("content_hash", op["digest"])]
+        self.client().log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
 
     def _replace_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
         """The whole table, in log_table's own format (pandas' split orientation) and with its UI tag, replacing

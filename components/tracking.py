@@ -144,11 +144,29 @@ class Tracker:
     def end_run(self, run: str, status: str) -> None:
         self._record({"op": "end_run", "run": run, "status": status})
 
+    def logged_model(self, run: str, name: str, step: int, *, params: dict[str, str] | None = None,
+                     tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
+                     ready: bool = False) -> None:
+        """An MLflow 3 LoggedModel of `run` named `name` (found again by name, so a replay makes no second one):
+        its params and tags set, `metrics` logged at `step` linked to it, READY once `ready`."""
+        self._record({"op": "logged_model", "run": run, "name": name, "step": step, "params": params or {},
+                      "tags": tags or {}, "metrics": metrics or {}, "ready": ready, "time": time.time()})
+
+    def log_dataset(self, run: str, name: str, digest: str, source_uri: str, context: str = "train") -> None:
+        """The run's input dataset (mlflow.data): its name, content digest and source URI."""
+        self._record({"op": "dataset", "run": run, "name": name, "digest": digest, "source": source_uri,
+                      "context": context})
+
     def run_id(self, run: str = PARENT) -> str | None:
         """The MLflow run id of a spooled run, once it has been delivered."""
         if run not in self._state()["runs"]:
             self._settle()
         return self._state()["runs"].get(run)
+
+    def model_id(self, run: str, name: str) -> str | None:
+        """The MLflow id of a spooled LoggedModel (Tracker.logged_model), once it has been delivered."""
+        self._settle()
+        return self._state().get("models", {}).get(f"{run}/{name}")
 
     def pending(self) -> int:
         """Records not yet delivered because the server was unreachable."""

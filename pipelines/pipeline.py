@@ -22,8 +22,10 @@ from trainer.config import Config
 
 PIPELINE_NAME = "resilient-train"
 MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-# (cpu, memory) requests per task on the cluster; validate/evaluate load the whole model on CPU (fp32).
-_RESOURCES = {"light": ("500m", "1Gi"), "stage": ("4", "16Gi"), "launcher": ("500m", "2Gi"), "model": ("8", "96Gi")}
+# (cpu, memory) requests per task on the cluster. No step loads the model: validate streams the checkpoint a tensor
+# at a time on a few threads; the evaluation and the export run on the training's GPUs, the gate only decides.
+_RESOURCES = {"light": ("500m", "1Gi"), "stage": ("4", "16Gi"), "launcher": ("500m", "2Gi"), "validate": ("4", "8Gi"),
+              "gate": ("1", "2Gi")}
 # What the KFP UI (and the local console) calls each task; the keys are KFP's task names.
 DISPLAY_NAMES = {"prepare-run": "prepare", "fingerprint-data": "fingerprint", "stage-data": "stage",
                  "tokenize-shard": "tokenize", "collect-shards": "collect shards", "record-stage": "record stage", "train-model": "train", "validate-checkpoint": "validate",
@@ -77,9 +79,10 @@ def build_pipeline(default_config: Config):
             record = on_cluster(c.record_stage(**common, dataset=collect.outputs["dataset"]), "light", 1800)
             train = on_cluster(c.train_model(**common, data_dir=record.output), "launcher",
                                default_config.training.timeout_seconds + 3600, retries=k8s.step_retries)
-            validate = on_cluster(c.validate_checkpoint(**common, checkpoint=train.outputs["Output"]), "model", 4 * 3600)
-            evaluate = on_cluster(c.evaluate_model(**common, checkpoint=validate.outputs["Output"],
-                                                   data_dir=record.output), "model", 4 * 3600)
+            validate = on_cluster(c.validate_checkpoint(**common, checkpoint=train.outputs["Output"]), "validate",
+                                  4 * 3600)
+            evaluate = on_cluster(c.evaluate_model(**common, checkpoint=validate.outputs["Output"]), "gate",
+                                  int(default_config.eval.promotion_wait_seconds) + 3600)
             for task in (prepare, fingerprint, record, train, validate, evaluate):
                 task.set_caching_options(False)
 

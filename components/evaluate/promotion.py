@@ -1,38 +1,44 @@
 """The promotion gate: a candidate replaces the registered champion only when it is measurably better.
 
     decision = decide(candidate_loss, champion_loss, threshold)      # pure: unit-tested
-    promote_if_better(client, ...)                                    # the registry side
+    promote_if_better(client, record=..., ...)                        # the registry side
 
-The champion is the model version carrying the alias ``champion`` in the MLflow Model Registry. It is
-evaluated again on the candidate's held-out windows (the same data, the same code), so a changed dataset
-never compares two numbers measured on different data. A promoted candidate is exported in Hugging Face
-format (config.json, safetensors, tokenizer), logged as the evaluate step's ``model`` artifact, registered
-as a new version and given the alias; the previous champion stays as an older version.
+The champion is the model version carrying the alias ``champion`` in the MLflow Model Registry. The gate loads no
+weights: the training's ranks evaluated the candidate and the champion on the same held-out windows at the end of
+training (trainer.evaluate.evaluator; the record: <run dir>/eval/step-N.json), and exported the candidate to
+eval.export_uri. A version's tags keep its own loss and the fingerprint of the windows it was measured on, so a
+champion that changed since (another run promoted) is compared by its recorded loss when the windows are the same,
+and the decision is deferred when they are not (the run's job evaluates it when run again). A champion whose export
+is gone is promoted over or kept according to eval.champion_missing, and the reason says so.
+
+A promoted candidate is registered from its export's URI (the registry records it; the weights never pass through
+the tracking server), linked to the LoggedModel of its checkpoint (``model_id``; the LoggedModel's
+``mlflow.modelVersions`` tag, as mlflow.register_model sets it), and given the alias.
 
 Concurrent runs: the registry has no compare-and-set on aliases, but it numbers versions atomically. So a
 candidate that beats the champion it first saw registers itself (tag ``promotion=pending``) and is decided
-only after every earlier pending version has been, against the champion *at that moment* (re-evaluated if
-it moved). Decisions are thereby serialised in version order: two runs can never both take the alias on
-the strength of the same old champion. A loser tags its version ``lost``, deletes it, and says so.
+only after every earlier pending version has been, against the champion *at that moment*. Decisions are thereby
+serialised in version order: two runs can never both take the alias on the strength of the same old champion. A
+loser tags its version ``lost``, deletes it, and says so.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-import mlflow
 from mlflow.exceptions import MlflowException
-from transformers import LlamaForCausalLM
+from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
+
+from components.registry import CHAMPION, champion_version
 
 log = logging.getLogger(__name__)
 
-CHAMPION = "champion"
 PROMOTION_TAG = "promotion"  # pending -> champion | lost | abandoned
+WINDOWS_TAG = "eval_windows"  # the held-out windows' fingerprint the version's heldout_loss was measured on
 
 
 @dataclass
@@ -44,6 +50,7 @@ class GateDecision:
     champion_version: str | None = None
     threshold: float = 0.0
     new_version: str | None = None
+    export_uri: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,70 +71,78 @@ def decide(candidate_loss: float, champion_loss: float | None, threshold: float,
                         candidate_loss, champion_loss, champion_version, threshold)
 
 
-def champion_version(client, model_name: str):
-    """The version with the champion alias, or None (no such model or alias yet)."""
-    try:
-        return client.get_model_version_by_alias(model_name, CHAMPION)
-    except MlflowException as err:
-        if err.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND"):
-            return None
-        raise
+def champion_evidence(current, record: dict[str, Any]) -> tuple[float | None, str | None, bool]:
+    """The champion's held-out loss on the candidate's windows: the training ranks' evaluation when they evaluated
+    this version, else the version's own recorded loss when it was measured on the same windows. Returns (loss,
+    why there is none, whether its files are gone)."""
+    evaluated = record.get("champion") or {}
+    if str(evaluated.get("version")) == str(current.version):
+        if evaluated.get("heldout_loss") is not None:
+            return float(evaluated["heldout_loss"]), None, False
+        return None, evaluated.get("error") or "its evaluation failed", bool(evaluated.get("files_gone"))
+    if current.tags.get(WINDOWS_TAG) == record["windows"] and current.tags.get("heldout_loss") is not None:
+        return float(current.tags["heldout_loss"]), None, False
+    return None, (f"champion v{current.version} was not evaluated on this candidate's held-out windows (registered "
+                  "after this training started, from other data): run the pipeline again, whose training is "
+                  "complete, so its job only evaluates"), False
 
 
-def load_registered_model(version, tracking_uri: str):
-    """Download a registered version's HF folder and load it (CPU, eval mode); the download is removed
-    once the weights are in memory (a large model's files should not pile up in the pod's /tmp)."""
-    with tempfile.TemporaryDirectory(prefix="champion-") as target:
-        local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=target,
-                                                    tracking_uri=tracking_uri)
-        # safetensors only: a pickled weights file in the registry would run code on load.
-        model = LlamaForCausalLM.from_pretrained(local, use_safetensors=True)
-    model.eval()
-    return model
+def decide_against(current, record: dict[str, Any], threshold: float, champion_missing: str) -> GateDecision:
+    """The decision against the champion `current` (a registry version, or None) on the record's evidence."""
+    candidate_loss = record["candidate"]["heldout_loss"]
+    if current is None:
+        return decide(candidate_loss, None, threshold)
+    loss, why, files_gone = champion_evidence(current, record)
+    if loss is not None:
+        return decide(candidate_loss, loss, threshold, current.version)
+    if files_gone:
+        promote = champion_missing == "promote"
+        return GateDecision(promote, f"champion v{current.version} cannot be evaluated, its export is gone ({why}): "
+                                     f"{'promoted on the candidate' if promote else 'kept, the candidate refused'}"
+                                     f"'s own evaluation (eval.champion_missing={champion_missing})",
+                            candidate_loss, None, current.version, threshold)
+    return GateDecision(False, f"deferred: {why}", candidate_loss, None, current.version, threshold)
 
 
-def promote_if_better(client, *, tracking_uri: str, model_name: str, threshold: float, candidate_loss: float, run_id: str,
-                      export: Callable[[Path], Path], evaluate_champion: Callable[[Any], float],
-                      tags: dict[str, str], wait_seconds: float = 1800.0, poll_seconds: float = 2.0,
+def promote_if_better(client, *, model_name: str, threshold: float, record: dict[str, Any], run_id: str,
+                      model_id: str | None, tags: dict[str, str], champion_missing: str = "promote",
+                      wait_seconds: float = 1800.0, poll_seconds: float = 2.0,
                       sleep: Callable[[float], None] = time.sleep,
                       clock: Callable[[], float] = time.monotonic) -> GateDecision:
-    """Compare with the champion and, if better, export, log, register and alias the candidate (serialised
-    with concurrent candidates; see the module docstring)."""
+    """Compare with the champion and, if better, register the candidate from its export's URI and alias it
+    (serialised with concurrent candidates; see the module docstring)."""
     current = champion_version(client, model_name)
-    champion_loss = None
-    if current is not None:
-        champion_loss = evaluate_champion(load_registered_model(current, tracking_uri))
-    decision = decide(candidate_loss, champion_loss, threshold, current.version if current else None)
+    decision = decide_against(current, record, threshold, champion_missing)
     log.info("promotion gate for %s: %s — %s", model_name, "candidate" if decision.promote else "keep champion",
              decision.reason)
     if not decision.promote:
         return decision
 
-    with tempfile.TemporaryDirectory(prefix="hf-export-") as scratch:
-        folder = export(Path(scratch) / "model")
-        client.log_artifacts(run_id, str(folder), "model")
     try:
         client.create_registered_model(model_name, description="Llama-architecture models trained by resilient-train")
     except MlflowException as err:
         if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    artifact_uri = client.get_run(run_id).info.artifact_uri
-    version = client.create_model_version(model_name, source=f"{artifact_uri}/model", run_id=run_id,
-                                          tags={**tags, "heldout_loss": f"{candidate_loss:.6f}",
-                                                PROMOTION_TAG: "pending"},
-                                          description=decision.reason)
+    source = record["export"]["uri"]
+    version = client.create_model_version(
+        model_name, source=source, run_id=run_id, model_id=model_id, description=decision.reason,
+        tags={**tags, "heldout_loss": f"{record['candidate']['heldout_loss']:.6f}", WINDOWS_TAG: record["windows"],
+              **({"model_id": model_id} if model_id else {}), PROMOTION_TAG: "pending"})
+    if model_id:
+        _link_logged_model(client, model_id, model_name, version.version)
+    decision.export_uri = source
     _wait_for_earlier_candidates(client, model_name, int(version.version), wait_seconds, poll_seconds, sleep, clock)
 
     latest = champion_version(client, model_name)
     if (latest.version if latest else None) != (current.version if current else None):
         log.info("the champion moved to v%s while this candidate was registered: comparing again", latest.version)
-        decision = decide(candidate_loss, evaluate_champion(load_registered_model(latest, tracking_uri)), threshold,
-                          latest.version)
+        decision = decide_against(latest, record, threshold, champion_missing)
+        decision.export_uri = source
     if decision.promote:
         client.set_registered_model_alias(model_name, CHAMPION, version.version)  # before the tag: see the wait
         client.set_model_version_tag(model_name, version.version, PROMOTION_TAG, "champion")
         decision.new_version = version.version
-        log.info("registered %s version %s as %s", model_name, version.version, CHAMPION)
+        log.info("registered %s version %s (%s) as %s", model_name, version.version, source, CHAMPION)
         return decision
     client.set_model_version_tag(model_name, version.version, PROMOTION_TAG, "lost")
     client.delete_model_version(model_name, version.version)
@@ -135,6 +150,13 @@ def promote_if_better(client, *, tracking_uri: str, model_name: str, threshold: 
                        "registered, then deleted)")
     log.info("promotion gate for %s: %s", model_name, decision.reason)
     return decision
+
+
+def _link_logged_model(client, model_id: str, model_name: str, version: str) -> None:
+    """The LoggedModel lists the versions registered from it, as mlflow.register_model records it."""
+    model = client.get_logged_model(model_id)
+    versions = json.loads(model.tags.get(MLFLOW_MODEL_VERSIONS, "[]")) + [{"name": model_name, "version": version}]
+    client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(versions)})
 
 
 def _wait_for_earlier_candidates(client, model_name: str, version: int, wait_seconds: float, poll_seconds: float,

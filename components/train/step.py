@@ -12,13 +12,18 @@ from typing import Any
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from mlflow.tracking import MlflowClient
+
 from components import tracking
 from components.context import step_context, write_step_result
 from components.forwarder import RunFolderForwarder
+from components.registry import record_champion
 from components.train.local import run_local_training
 from components.train.report import TrainingReport
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
+from trainer.checkpoint.export_store import check_writable
 from trainer.config import Config
+from trainer.data.shards import load_meta
 from trainer.resilience.budget import read_gave_up
 from trainer.run.run_dir import RunDir
 
@@ -28,6 +33,7 @@ log = logging.getLogger(__name__)
 def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
     started = time.time()
     with step_context(cfg, "train", one_per_pipeline_run=True) as (mlflow, run):
+        prepare_evaluation(cfg, mlflow, run, Path(data_dir))
         try:
             with RunFolderForwarder(mlflow, run, cfg.run_dir, cfg.mlflow.forward_interval_seconds,
                                     cfg.mlflow.step_metric_every):
@@ -48,6 +54,20 @@ def run_train(cfg: Config, data_dir: str) -> dict[str, Any]:
             raise RuntimeError(f"training wrote no checkpoint into {cfg.checkpoint_dir}")
         write_step_result(cfg, "train", result)
     return result
+
+
+def prepare_evaluation(cfg: Config, mlflow: tracking.Tracker, run: str, data_dir: Path) -> None:
+    """Before any GPU time: the export's destination must be writable (ExportUriNotWritable, exit 2, otherwise);
+    the champion the training evaluates against at its end (components.registry); the training data as the run's
+    input dataset (mlflow.data: its name, content hash and source)."""
+    check_writable(cfg.eval.export_uri or str(RunDir(cfg.run_dir).path / "export"), cfg.data.s3_endpoint_url)
+    if cfg.eval.register:
+        record_champion(MlflowClient(cfg.tracking_uri), cfg.eval.registered_model_name, cfg.run_dir)
+    meta = load_meta(data_dir)
+    corpora = cfg.data.datasets or [cfg.data]
+    for corpus in corpora:
+        mlflow.log_dataset(run, getattr(corpus, "name", None) or cfg.data.dataset_name, meta["content_hash"],
+                           corpus.s3_uri)
 
 
 def run_on_cluster(cfg: Config, data_dir: str) -> dict[str, Any]:

@@ -13,6 +13,6 @@ def validate_checkpoint(config_json: str, overrides: list, kfp_job_id: str, chec
 
     logs.configure()
     result = run_validate(resolve_config(config_json, overrides, kfp_job_id), checkpoint)
-    for key in ("bytes", "files", "load_seconds", "num_checks"):
+    for key in ("bytes", "files", "stream_seconds", "num_checks"):
         report.log_metric(key, float(result[key]))
     return result["checkpoint"]

@@ -1,4 +1,6 @@
-"""The validate step: nobody evaluates or ships a checkpoint that fails checks.check_checkpoint."""
+"""The validate step: nobody evaluates or ships a checkpoint that fails checks.check_checkpoint. A validated
+checkpoint becomes an MLflow LoggedModel of the train run (``step-N``: its checkpoint, step and the evaluation's
+metrics linked to it by the evaluate step), so the UI lists and compares a run's validated checkpoints."""
 
 from __future__ import annotations
 
@@ -8,6 +10,18 @@ from typing import Any
 from components.context import step_context, write_step_result
 from components.validate.checks import check_checkpoint
 from trainer.config import Config
+from trainer.run.run_dir import RunDir
+
+TRAIN_RUN = "train"  # the train step's spool key (one MLflow run per pipeline run: components.train.step)
+
+
+def checkpoint_model_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def model_run(cfg: Config, own_run: str) -> str:
+    """The run a checkpoint's LoggedModel belongs to: the train run of this pipeline run, when it trained here."""
+    return TRAIN_RUN if RunDir(cfg.run_dir).step_result(TRAIN_RUN).is_file() else own_run
 
 
 def run_validate(cfg: Config, checkpoint: str) -> dict[str, Any]:
@@ -15,6 +29,11 @@ def run_validate(cfg: Config, checkpoint: str) -> dict[str, Any]:
         report = check_checkpoint(Path(checkpoint), expected_run_id=cfg.run.run_id)
         mlflow.log_metrics(run, [{
             "step": report["step"], "checkpoint_bytes": report["bytes"], "checkpoint_files": report["files"],
-            "load_seconds": report["load_seconds"], "checks_passed": report["num_checks"]}])
+            "validate_stream_seconds": report["stream_seconds"], "checks_passed": report["num_checks"]}])
+        mlflow.logged_model(model_run(cfg, run), checkpoint_model_name(report["step"]), report["step"],
+                            params={"checkpoint": checkpoint, "step": str(report["step"]),
+                                    "world_size": str(report["world_size"])},
+                            tags={"validated": "true", "checks_passed": ",".join(report["checks_passed"])},
+                            metrics={"checkpoint_bytes": report["bytes"]})
         write_step_result(cfg, "validate", report)
     return report

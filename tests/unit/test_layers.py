@@ -29,7 +29,7 @@ LAYERS = ["trainer", "components", "pipelines"]  # lowest first
 MAX_LINES = 350
 # trainer/'s rooms, lowest first: a module may import its own room and the ones below it.
 ROOMS = ["trainer.env", "trainer.run", "trainer.config", "trainer.planning", "trainer.observe", "trainer.data",
-         "trainer.model", "trainer.resilience", "trainer.checkpoint", "trainer.launch", "trainer.job"]
+         "trainer.model", "trainer.resilience", "trainer.checkpoint", "trainer.evaluate", "trainer.launch", "trainer.job"]
 # The commands rendered manifests and running jobs' pod specs carry (`python -m <module>`): kept as thin
 # entry points at the root, so a job keeps its pod spec when its image is upgraded.
 ENTRY_POINTS = {"trainer.launcher": "trainer.launch.launcher", "trainer.rendezvous_store": "trainer.launch.rendezvous_store",

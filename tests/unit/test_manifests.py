@@ -241,3 +241,26 @@ def test_the_trainer_role_allows_every_call_of_the_s3_checkpoint_tier():
         assert _allowed(document, action, f"{bucket}/{key}"), action
     assert not _allowed(document, "s3:ListBucket", bucket, prefix="mlflow/")  # the prefix, not the bucket
     assert not _allowed(document, "s3:PutObject", "arn:aws:s3:::DATA_BUCKET/datasets/x")  # data stays read-only
+
+
+@pytest.mark.parametrize("config", ["eks-dev", "eks-prod", "eks-cpt"])
+def test_the_roles_allow_every_call_of_the_export(config):
+    """The trainer's ranks upload the export (trainer/checkpoint/export_store.py: PutObject, multipart under it,
+    AbortMultipartUpload) and read a champion's (ListObjectsV2, GetObject); the pipeline's role probes the prefix
+    before training (PutObject, DeleteObject) and checks export-complete.json before registering (GetObject,
+    ListObjectsV2) — Service Authorization Reference for Amazon S3. The config's bucket stands for ARTIFACT_BUCKET."""
+    from trainer.config import load_config
+
+    cfg = load_config(f"pipelines/configs/{config}.yaml", ["--run.run_id=run-1"])
+    assert cfg.eval.export_uri.startswith("s3://")
+    prefix = cfg.export_uri(100).split("/", 3)[3]
+    bucket = "arn:aws:s3:::ARTIFACT_BUCKET"
+    trainer = json.loads((MANIFESTS / "iam" / "trainer-policy.json").read_text())
+    pipeline = json.loads((MANIFESTS / "iam" / "pipeline-policy.json").read_text())
+    for action in ("s3:PutObject", "s3:GetObject", "s3:AbortMultipartUpload"):
+        assert _allowed(trainer, action, f"{bucket}/{prefix}/model-00001-of-00004.safetensors"), action
+    for action in ("s3:PutObject", "s3:DeleteObject", "s3:GetObject"):
+        assert _allowed(pipeline, action, f"{bucket}/{prefix}/export-complete.json"), action
+    for document in (trainer, pipeline):
+        assert _allowed(document, "s3:ListBucket", bucket, prefix=f"{prefix}/")
+    assert not _allowed(trainer, "s3:PutObject", f"{bucket}/mlflow/x")  # the tracking server's store stays its own

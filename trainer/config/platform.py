@@ -6,18 +6,51 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from trainer.config.rules import require
+from trainer.config.rules import check_s3_uri, is_s3_uri, require
 
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation of the validated checkpoint."""
+    """Evaluation on the training's ranks (periodic and final), the export, and the promotion gate."""
 
     batch_size: int = 8
-    """Sequences per evaluation batch."""
+    """Sequences per evaluation batch (across the evaluating ranks: each takes its share)."""
 
     max_batches: int = 20
-    """Upper bound on evaluation batches (the held-out split may be smaller)."""
+    """Upper bound on the final evaluation's batches (the held-out split may be smaller)."""
+
+    every_steps: int = 0
+    """Periodic validation: every this many steps the training's ranks compute val_loss over the first val_batches
+    held-out batches (metrics.jsonl, MLflow; its seconds count as badput 'evaluation'). 0: off."""
+
+    val_batches: int = 2
+    """Held-out batches of a periodic validation (the final evaluation takes max_batches)."""
+
+    tasks: str = "multiple_choice"
+    """Evaluation tasks besides the loss, comma-separated: a shipped task's name or a module:function entry point
+    (trainer.evaluate.tasks) given the sharded model and the tokenizer; empty: none."""
+
+    task_file: str = ""
+    """The jsonl the multiple_choice task reads ({question, choices, answer}); empty: the bundled set."""
+
+    tasks_required: bool = False
+    """A task that raises fails the gate (no promotion, the step fails naming it); false: the gate records the
+    task's error and decides on the held-out loss alone."""
+
+    export_uri: str = ""
+    """Where the trained model goes in Hugging Face format, as <export_uri>/<run_id>/step-N/ (sharded safetensors,
+    written by the training's ranks, export-complete.json last): an S3 prefix, or a folder; empty: <run dir>/export.
+    The registered version's source is this URI; the tracking server never carries the weights."""
+
+    export_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """The exported weights' dtype (training keeps fp32 master weights)."""
+
+    export_max_file_gb: float = 5.0
+    """Largest safetensors file of the export, in GB (Hugging Face's default shard size)."""
+
+    champion_missing: Literal["promote", "refuse"] = "promote"
+    """A registered champion whose export is gone cannot be evaluated: promote the validated candidate on its own
+    evaluation, or refuse. Either way the gate's record says so."""
 
     prompts: str = "The|Once upon a time|In the beginning"
     """Fixed prompts for greedy sample generations ('|'-separated); logged as generations.json."""
@@ -42,10 +75,21 @@ class EvalConfig:
         require(self.batch_size >= 1, "eval.batch_size", "must be >= 1")
         require(self.max_batches >= 1, "eval.max_batches", "must be >= 1")
         require(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0")
+        require(self.every_steps >= 0, "eval.every_steps", "must be >= 0 (0: no periodic validation)")
+        require(self.val_batches >= 1, "eval.val_batches", "must be >= 1")
+        require(self.export_max_file_gb > 0, "eval.export_max_file_gb", "must be > 0")
+        if is_s3_uri(self.export_uri):
+            check_s3_uri(self.export_uri, "eval.export_uri")
+        require(all(part.strip() for part in self.tasks.split(",")) or not self.tasks.strip(), "eval.tasks",
+                "an empty entry between commas: list task names or module:function entry points")
         require(0.0 <= self.promotion_threshold < 1.0, "eval.promotion_threshold", "must be in [0, 1)")
         require(self.promotion_wait_seconds > 0, "eval.promotion_wait_seconds", "must be > 0")
         require(not self.register or bool(self.registered_model_name.strip()), "eval.registered_model_name",
                  "must not be empty when eval.register is true")
+
+    @property
+    def task_list(self) -> list[str]:
+        return [part.strip() for part in self.tasks.split(",") if part.strip()]
 
     @property
     def prompt_list(self) -> list[str]:

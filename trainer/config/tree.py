@@ -124,6 +124,14 @@ class Config:
             return Path(self.checkpoint.dir).expanduser().resolve()
         return RunDir(self.run_dir).checkpoints
 
+    def export_uri(self, step: int) -> str:
+        """Where the HF export of `step` goes (eval.export_uri: an S3 prefix or a folder; default <run dir>/export)."""
+        if not self.eval.export_uri:
+            return str(self.run_dir / "export" / f"step-{step:06d}")
+        root = self.eval.export_uri if is_s3_uri(self.eval.export_uri) else str(Path(self.eval.export_uri).expanduser()
+                                                                                .resolve())
+        return f"{root.rstrip('/')}/{self.run.run_id}/step-{step:06d}"
+
     @property
     def tracking_uri(self) -> str:
         return self.mlflow.tracking_uri or f"sqlite:///{self.work_dir / 'mlflow.db'}"

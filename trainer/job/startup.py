@@ -40,6 +40,8 @@ from trainer.data.shards import load_meta
 from trainer.data.tokenizer import load_tokenizer
 from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_GENERATION_ENV, NODE_INDEX_ENV, NODE_RANK_ENV,
                          NODE_REPLACEMENT_ENV, NODE_STORE_ENV, RESTART_COUNT_ENV)
+from trainer.evaluate.evaluator import Evaluator
+from trainer.evaluate.heldout import Ranks
 from trainer.model.base import BASE_INDEX, BaseModelError, index_base_weights, read_base_config, read_index
 from trainer.model.llama import build_model, build_model_on_meta, llama_config_of, materialize_on, shard_model
 from trainer.model.optimizer import build_optimizer, initialize_state
@@ -91,6 +93,7 @@ class StartedProcess:
     interval_planner: AutoInterval
     progress: ProgressReporter
     prefetch: RestorePrefetch | None
+    evaluator: Evaluator
 
 
 def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | None,
@@ -171,6 +174,10 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     interval_planner = AutoInterval(cfg, checkpointer, events, rank=rank, nodes=nodes, history=history)
     progress = ProgressReporter(cfg, rank=rank, nodes=nodes, restarted=resilience.is_restart, history=history,
                                 launched_at=launched_at, last_checkpoint=lambda: _last_checkpoint(cfg))
+    evaluator = Evaluator(cfg, data_dir, model, Ranks(rank, world_size, device, cfg.eval.batch_size,
+                                                      cfg.training.loss_chunk),
+                          tokenizer_spec=meta["tokenizer"], writes=lambda: replica_groups.writes_run_files,
+                          beat=resilience.heartbeat.beat)
     timer.done("checkpointing")
     watchdog.leave()
     resilience.start(init_seconds={"imports": timer.started - resilience.process_started_at, **timer.phases})
@@ -180,7 +187,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         run_dir=RunDir(cfg.run_dir), events=events, history=history, restart_budget=restart_budget, model=model,
         model_config=model_config, weights_pending=weights_pending, base_weights=base_weights,
         optimizer=optimizer, batches=batches, telemetry=telemetry, resilience=resilience, checkpointer=checkpointer,
-        interval_planner=interval_planner, progress=progress, prefetch=prefetch)
+        interval_planner=interval_planner, progress=progress, prefetch=prefetch, evaluator=evaluator)
 
 
 def base_weights_of(cfg: Config, rank: int, world_size: int) -> dict[str, Any] | None:

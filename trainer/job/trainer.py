@@ -21,10 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.run.lease import check_fence_of_this_process
 from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import step_dir_name
 from trainer.data.batches import skipped_ranges
@@ -34,7 +32,7 @@ from trainer.model.base import load_base_weights
 from trainer.model.llama import build_model, copy_initial_weights
 from trainer.model.optimizer import initialize_state
 from trainer.resilience.in_process import InProcessAttempt
-from trainer.run.lease import Fence
+from trainer.run.lease import Fence, check_fence_of_this_process
 from trainer.run.run_dir import write_json
 
 log = logging.getLogger("trainer")
@@ -67,12 +65,12 @@ class Trainer:
         self.run_dir, self.events, self.restart_budget = started.run_dir, started.events, started.restart_budget
         # the model and its data
         self.model, self.model_config, self.optimizer = started.model, started.model_config, started.optimizer
-        self.batches = started.batches
-        self._weights_pending, self._base_weights = started.weights_pending, started.base_weights
+        self.batches, self._weights_pending, self._base_weights = (started.batches, started.weights_pending,
+                                                                   started.base_weights)
         # what runs beside the loop, each touched by it in one place
         self.telemetry, self.resilience, self.checkpointer = started.telemetry, started.resilience, started.checkpointer
-        self.interval_planner, self.progress, self._prefetch = (started.interval_planner, started.progress,
-                                                                 started.prefetch)
+        self.interval_planner, self.progress = started.interval_planner, started.progress
+        self._prefetch, self.evaluator = started.prefetch, started.evaluator
         self.replica_groups.attach(self.model, self.live_state, self.load_live_state)
         self.replica_groups.on_heal = self.resilience.note_heal
 
@@ -206,8 +204,7 @@ class Trainer:
             for inputs, labels in micro_batches:
                 inputs = torch.from_numpy(inputs).to(self.device)
                 labels = torch.from_numpy(labels).to(self.device)
-                logits = self.model(input_ids=inputs).logits
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+                loss = self.model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk)
                 (loss / t.grad_accum_steps).backward()
                 loss_sum += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
@@ -273,6 +270,7 @@ class Trainer:
                     self.resilience.discarded_step(self.step)
                     continue
                 self.watchdog.close()  # start-up is over: ft_launcher's heartbeats watch the loop
+                metrics.update(self.evaluator.periodic(self.step))  # val_loss every eval.every_steps
                 if self.replica_groups.writes_run_files:  # one group writes each step's line
                     writer.write(metrics)
                 if self.step % self.cfg.training.log_every == 0 or self.step == 1:
@@ -289,13 +287,16 @@ class Trainer:
                 self.progress.observe(self.step, metrics, straggler=self.resilience.stragglers.current)
         tail_started = time.perf_counter()
         self.checkpointer.save_final(self.step, self.state_dict)
+        final_checkpoint_wait, evaluation_started = time.perf_counter() - tail_started, time.perf_counter()
+        checkpoint = str(self.cfg.checkpoint_dir / step_dir_name(self.step)) if self.checkpointer.enabled else None
+        evaluation = self.evaluator.final(self.step, checkpoint)  # the model's weights are the champion's after it
         self.progress.finish(self.step, {"loss": self.last_loss}, straggler=self.resilience.stragglers.current)
-        result = {"final_checkpoint_wait_seconds": time.perf_counter() - tail_started,
+        result = {"final_checkpoint_wait_seconds": final_checkpoint_wait,
+                  "final_evaluation_seconds": time.perf_counter() - evaluation_started,
+                  "evaluation": str(self.run_dir.evaluation(self.step)) if evaluation else None,
                   "steps": self.step, "steps_this_launch": self.step - started_at_step,
                   "final_loss": self.last_loss, "wall_seconds": time.perf_counter() - started,
-                  "checkpoint_dir": str(self.cfg.checkpoint_dir),
-                  "checkpoint": (str(self.cfg.checkpoint_dir / step_dir_name(self.step))
-                                 if self.checkpointer.enabled else None),
+                  "checkpoint_dir": str(self.cfg.checkpoint_dir), "checkpoint": checkpoint,
                   "world_size": self.world_size * self.replica_groups.groups,
                   **self.replica_groups.result(),
                   "num_parameters": sum(p.numel() for p in self.model.parameters()),

@@ -15,8 +15,22 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from trainer.config import MODEL_PRESETS, ModelConfig
 from trainer.config.rules import InputError
 from trainer.model.base import read_base_config
+from trainer.model.loss import chunked_cross_entropy
 
 log = logging.getLogger(__name__)
+
+
+class CausalLM(LlamaForCausalLM):
+    """LlamaForCausalLM whose forward, given `targets` (the next token of each position: labels already shifted),
+    returns the loss computed in chunks of `loss_chunk` positions (trainer.model.loss) and no logits. Called through
+    the module (FSDP2's hooks gather the head for it). Without targets it is transformers' own forward (generation).
+    Same parameters and state-dict keys as LlamaForCausalLM; an export names LlamaForCausalLM as its architecture."""
+
+    def forward(self, input_ids=None, targets=None, loss_reduction: str = "mean", loss_chunk: int = 1024, **kwargs):
+        if targets is None:
+            return super().forward(input_ids=input_ids, **kwargs)
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        return chunked_cross_entropy(hidden, self.lm_head, targets, loss_chunk, loss_reduction)
 
 
 class VocabularyMismatch(InputError):
@@ -47,7 +61,7 @@ def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
     weights)."""
     torch.manual_seed(seed)
     # sdpa is deterministic on CPU and uses flash/memory-efficient kernels on GPU.
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = CausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     log.info("model: %.1f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     return model
 
@@ -57,7 +71,7 @@ def build_model_on_meta(config: LlamaConfig) -> LlamaForCausalLM:
     instead of ~1 s). For a start whose weights come from a checkpoint or a base model anyway: shard it, then
     `materialize_on(model, device)` and load them (or `copy_initial_weights`)."""
     with torch.device("meta"):
-        return LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        return CausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def materialize_on(model: LlamaForCausalLM, device: torch.device) -> None:

@@ -22,7 +22,8 @@ to it; `other` is the rest: logging, metrics, the processes' exit):
 - checkpoint_load: reloading the state after a fault;
 - wasted_progress: steps computed again after a fault (their first computation was productive);
 - infrastructure_recovery: detection, tear-down and re-initialisation after a fault;
-- startup: from each launch's start to its first step.
+- startup: from each launch's start to its first step;
+- evaluation: periodic validation between steps (eval.every_steps) and the final evaluation and export.
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ from trainer.run.history import ControlState, control_state
 from trainer.run.run_dir import RunDir, read_json, read_jsonl
 
 BADPUT_CATEGORIES = ("checkpoint_save", "checkpoint_load", "wasted_progress", "infrastructure_recovery", "startup",
-                     "data_loading", "other")
+                     "data_loading", "evaluation", "other")
 MECHANISM_COST = {"in_process": "in_process_restart_seconds", "ft_launcher": "restart_seconds",
                   "job_restart": "job_restart_seconds"}
-STEP_FIELDS = ("loss", "step_seconds", "data_seconds", "tokens_per_second", "time", "samples", "samples_skipped")
+STEP_FIELDS = ("loss", "step_seconds", "data_seconds", "tokens_per_second", "time", "samples", "samples_skipped",
+               "val_seconds")
 
 
 @dataclass
@@ -189,6 +191,9 @@ class MeasuredRun:
                                                                                self.ledger.windows_first_start)
                            if first is not None),
             "data_loading": data,
+            # periodic validation between steps, and the final evaluation and export at the end (trainer.evaluate)
+            "evaluation": float(self.ledger.kept("val_seconds", counted_from).sum())
+            + (self.result.get("final_evaluation_seconds") or 0.0),
         }
         seconds["other"] = wall - productive - sum(seconds.values())
         return {"wall_seconds": wall, "productive_seconds": productive, "goodput": productive / wall if wall > 0 else None,

@@ -63,6 +63,8 @@ REJECTED = "rejected.jsonl"
 GAVE_UP = "gave_up.json"
 TRAINER_STATUS = "trainer_status.json"  # the TrainJob progress rank 0 reports (trainer.observe.progress)
 SYSTEM_DIR = "system"
+EVAL_DIR = "eval"  # the training ranks' evaluations (step-N.json), the champion to compare with (champion.json)
+EXPORT_STAGING_DIR = "export-staging"  # an export on its way to S3 (removed once uploaded)
 
 
 class RunDir:
@@ -101,6 +103,13 @@ class RunDir:
     events_format = property(lambda self: self.path / EVENTS_DIR / EVENTS_FORMAT)
     migrate_lock = property(lambda self: self.path / EVENTS_DIR / MIGRATE_LOCK)
     system_samples = property(lambda self: self.path / SYSTEM_DIR / SYSTEM_SAMPLES)
+
+    evaluations = property(lambda self: self.path / EVAL_DIR)
+    champion = property(lambda self: self.path / EVAL_DIR / "champion.json")
+    export_staging = property(lambda self: self.path / EXPORT_STAGING_DIR)
+
+    def evaluation(self, step: int) -> Path:
+        return self.path / EVAL_DIR / f"step-{step:06d}.json"
 
     def stream_of(self, event: str) -> Path:
         """The events stream a record of this kind is appended to."""
