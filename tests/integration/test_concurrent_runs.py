@@ -73,13 +73,9 @@ def test_candidates_that_all_saw_no_champion_are_decided_one_at_a_time(tmp_path,
     import threading
 
     from mlflow.tracking import MlflowClient
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from components.evaluate import promotion
 
-    model_dir = tmp_path / "hf"
-    LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(model_dir)
     real_champion_version = promotion.champion_version
     everyone_has_read = threading.Barrier(RUNS)
     first_read = threading.local()
@@ -99,10 +95,12 @@ def test_candidates_that_all_saw_no_champion_are_decided_one_at_a_time(tmp_path,
 
         def gate(index: int) -> None:
             run_id = client.create_run(experiment).info.run_id
+            # Each candidate's evaluation record, as the training's ranks write it: the same windows, the same loss.
+            record = {"candidate": {"heldout_loss": 1.5}, "windows": "8x32-samewindows",
+                      "export": {"uri": f"s3://exports/run-{index}/step-000006", "complete": True}}
             decisions[index] = promotion.promote_if_better(
-                MlflowClient(server.tracking_uri), tracking_uri=server.tracking_uri, model_name="raced-model",
-                threshold=0.0, candidate_loss=1.5, run_id=run_id, export=lambda out: model_dir,
-                evaluate_champion=lambda model: 1.5, tags={"candidate": str(index)}, poll_seconds=0.2)
+                MlflowClient(server.tracking_uri), model_name="raced-model", threshold=0.0, record=record,
+                run_id=run_id, model_id=None, tags={"candidate": str(index)}, poll_seconds=0.2)
 
         threads = [threading.Thread(target=gate, args=(i,)) for i in range(RUNS)]
         for thread in threads:
@@ -120,3 +118,5 @@ def test_candidates_that_all_saw_no_champion_are_decided_one_at_a_time(tmp_path,
         assert [v.version for v in versions] == [winners[0].new_version]  # losers deleted their versions
         assert client.get_model_version_by_alias("raced-model", "champion").version == winners[0].new_version
         assert versions[0].tags[promotion.PROMOTION_TAG] == "champion"
+        winner = next(index for index, decision in decisions.items() if decision.promote)
+        assert versions[0].source == f"s3://exports/run-{winner}/step-000006"  # registered from its export's URI

@@ -16,9 +16,10 @@ def test_export_round_trips_through_from_pretrained(trained_run, tmp_path):
 
     cfg, _ = trained_run
     checkpoint = cfg.checkpoint_dir / "step-000008"
-    out = export_hf(checkpoint, tmp_path / "hf")
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in out.iterdir()}
+    out = export_hf(checkpoint, tmp_path / "hf", dtype="float32", max_file_gb=0.004)
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert len([n for n in names if n.endswith(".safetensors")]) > 1  # shards of at most 4 MB
 
     exported = LlamaForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
     original, _ = load_model_from_checkpoint(checkpoint)
@@ -35,7 +36,7 @@ def test_init_from_an_export_loads_those_weights(trained_run, tmp_path):
     """An export is a base model: its config and weights, read the way a first start reads them (a meta build,
     then the files through DCP's Hugging Face reader), give the checkpoint's weights in fp32."""
     cfg, _ = trained_run
-    out = export_hf(cfg.checkpoint_dir / "step-000008", tmp_path / "hf")
+    out = export_hf(cfg.checkpoint_dir / "step-000008", tmp_path / "hf", dtype="float32")
     config = read_base_config(out)
     model = build_model_on_meta(config)
     materialize_on(model, torch.device("cpu"))
@@ -43,6 +44,21 @@ def test_init_from_an_export_loads_those_weights(trained_run, tmp_path):
     original, _ = load_model_from_checkpoint(cfg.checkpoint_dir / "step-000008")
     for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items()):
         assert a.dtype == torch.float32 and torch.equal(a, b), name
+
+
+def test_a_bf16_export_is_bf16_on_disk_and_loads(trained_run, tmp_path):
+    """The default export dtype: half the bytes, the config says so, transformers loads it as it is."""
+    import json
+
+    from transformers import LlamaForCausalLM
+
+    cfg, _ = trained_run
+    out = export_hf(cfg.checkpoint_dir / "step-000008", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    model = LlamaForCausalLM.from_pretrained(str(out), local_files_only=True, dtype="auto")
+    original, _ = load_model_from_checkpoint(cfg.checkpoint_dir / "step-000008")
+    for (name, a), (_, b) in zip(model.state_dict().items(), original.state_dict().items()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b.to(torch.bfloat16)), name
 
 
 def test_init_from_a_folder_without_weights_names_the_field(tmp_path):
@@ -81,15 +97,15 @@ def test_the_export_reproduces_the_runs_generations_with_plain_transformers(trai
     import subprocess
     import sys
 
-    from components.evaluate.heldout import generate
     from trainer.data.tokenizer import load_tokenizer
+    from trainer.evaluate.heldout import generate
 
     cfg, _ = trained_run
     checkpoint = cfg.checkpoint_dir / "step-000008"
     prompts = ["The", "Once upon a time", "12 + 7 ="]
     model, manifest = load_model_from_checkpoint(checkpoint)
-    expected = generate(model, manifest["tokenizer"], prompts, max_new_tokens=24)  # what evaluate logs
-    out = export_hf(checkpoint, tmp_path / "hf")
+    expected = generate(model, load_tokenizer(manifest["tokenizer"]), prompts, max_new_tokens=24)  # the trainer's
+    out = export_hf(checkpoint, tmp_path / "hf", dtype="float32")
 
     proc = subprocess.run([sys.executable, "-c", PLAIN_TRANSFORMERS, str(out), json.dumps(prompts), "24"],
                           cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})

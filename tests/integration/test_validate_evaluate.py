@@ -1,4 +1,4 @@
-"""Validation and evaluation of a real 2-rank checkpoint, loaded into one process."""
+"""Validation (streamed, no model loaded) of a real 2-rank checkpoint, and the training ranks' final evaluation."""
 
 import json
 import math
@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 
-from components.evaluate.heldout import evaluate_checkpoint
 from components.validate.checks import CheckpointValidationError, check_checkpoint
 from trainer.checkpoint.format import MANIFEST, write_manifest
 
@@ -24,7 +23,7 @@ def checkpoint_copy(trained_run, tmp_path):
 def test_valid_checkpoint_passes_every_check(checkpoint_copy, trained_run):
     cfg, _ = trained_run
     report = check_checkpoint(checkpoint_copy, expected_run_id=cfg.run.run_id)
-    assert report["checks_passed"] == ["manifest", "dcp_metadata", "reshard_load", "finite"]
+    assert report["checks_passed"] == ["manifest", "dcp_metadata", "streamed"]
     assert report["world_size"] == 2 and report["step"] == 8 and report["bytes"] > 0
     assert report["optimizer_tensors"] > 0
 
@@ -110,10 +109,48 @@ def test_nan_optimizer_state_fails(checkpoint_copy):
         check_checkpoint(poisoned)
 
 
-def test_evaluation_reports_heldout_loss_and_perplexity(trained_run, token_dir):
+def test_a_tensor_whose_chunks_do_not_cover_it_fails(checkpoint_copy):
+    """A shard's entry missing from the DCP metadata: DCP could not reassemble (or reshard) that tensor."""
+    import pickle
+
+    from trainer.checkpoint.format import hash_file
+
+    metadata_path = checkpoint_copy / ".metadata"
+    metadata = pickle.loads(metadata_path.read_bytes())
+    key = next(k for k in metadata.state_dict_metadata if k.endswith("embed_tokens.weight"))
+    metadata.state_dict_metadata[key].chunks.pop()
+    metadata_path.write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((checkpoint_copy / MANIFEST).read_text())
+    manifest["files"][".metadata"] = {"bytes": metadata_path.stat().st_size, "hash": hash_file(metadata_path)}
+    (checkpoint_copy / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointValidationError, match=rf"{key} cannot be reassembled: its chunks hold \d+ of"):
+        check_checkpoint(checkpoint_copy)
+
+
+def test_the_training_ranks_final_evaluation_is_the_full_logits_loss(trained_run, token_dir):
+    """The record the 2 ranks wrote at the end of training (chunked loss, windows dealt out to the ranks) gives
+    the loss a single process computes with full fp32 logits on the same windows."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.checkpoint.load import load_model_from_checkpoint
+    from trainer.evaluate.heldout import heldout_windows
+    from trainer.run.run_dir import RunDir
+
     cfg, result = trained_run
-    metrics = evaluate_checkpoint(cfg.checkpoint_dir / "step-000008", token_dir, seq_len=32, batch_size=4,
-                                  max_batches=4)
-    assert metrics["eval_tokens"] == 4 * 4 * 32
-    assert math.isclose(metrics["perplexity"], math.exp(metrics["heldout_loss"]))
-    assert metrics["heldout_loss"] < math.log(258)  # better than uniform over the byte vocabulary
+    record = json.loads(RunDir(cfg.run_dir).evaluation(8).read_text())
+    assert result["evaluation"] == str(RunDir(cfg.run_dir).evaluation(8))
+    candidate = record["candidate"]
+    assert candidate["eval_tokens"] == 4 * cfg.eval.batch_size * 32  # eval.max_batches x batch x seq_len
+    assert math.isclose(candidate["perplexity"], math.exp(candidate["heldout_loss"]))
+    assert candidate["heldout_loss"] < math.log(258)  # better than uniform over the byte vocabulary
+    accuracy = candidate["tasks"]["multiple_choice"]["metrics"]["accuracy"]
+    assert 0.0 <= accuracy <= 1.0 and candidate["tasks"]["multiple_choice"]["metrics"]["questions"] == 16
+
+    windows = heldout_windows(token_dir, 32, cfg.eval.batch_size, 4)
+    assert windows.fingerprint == record["windows"]
+    model, _ = load_model_from_checkpoint(cfg.checkpoint_dir / "step-000008")
+    with torch.inference_mode():
+        logits = model(input_ids=torch.from_numpy(windows.inputs)).logits.float()
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.from_numpy(windows.targets).reshape(-1))
+    assert candidate["heldout_loss"] == pytest.approx(float(loss), rel=1e-5)

@@ -81,4 +81,6 @@ def test_cluster_settings_retries_and_image(tmp_path):
     images = {e["container"]["image"] for e in spec["deploymentSpec"]["executors"].values()}
     assert images == {"123456789012.dkr.ecr.us-east-1.amazonaws.com/resilient-train-pipeline:0.1.0"}  # CPU image
     resources = spec["deploymentSpec"]["executors"]["exec-validate-checkpoint"]["container"]["resources"]
-    assert resources["memoryRequest"] == pytest.approx(103.079215104)  # 96Gi, in GB as KFP stores it
+    assert resources["memoryRequest"] == pytest.approx(8.589934592)  # 8Gi, in GB as KFP stores it: it streams
+    gate = spec["deploymentSpec"]["executors"]["exec-evaluate-model"]["container"]["resources"]
+    assert gate["memoryRequest"] == pytest.approx(2.147483648)  # 2Gi: the gate loads no weights

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidate_safetensors_files,
+                                                                      consolidate_safetensors_files_on_every_rank)
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import GenerationConfig, LlamaConfig
@@ -80,7 +81,10 @@ def write_hf_export(model: torch.nn.Module, config: LlamaConfig, tokenizer_spec:
                                       thread_count=threads)
     dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
     del state
-    consolidate_safetensors_files_on_every_rank(str(folder / SHARDED), str(folder), layout, num_threads=threads)
+    if dist.is_initialized():
+        consolidate_safetensors_files_on_every_rank(str(folder / SHARDED), str(folder), layout, num_threads=threads)
+    else:  # one process (python -m trainer.export): the same files and index, without the ranks' split
+        consolidate_safetensors_files(str(folder / SHARDED), str(folder), layout, num_threads=threads)
     if rank == 0:
         shutil.rmtree(folder / SHARDED)
         exported = config.to_dict()
