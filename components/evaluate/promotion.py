@@ -155,7 +155,10 @@ def promote_if_better(client, *, model_name: str, threshold: float, record: dict
 def _link_logged_model(client, model_id: str, model_name: str, version: str) -> None:
     """The LoggedModel lists the versions registered from it, as mlflow.register_model records it."""
     model = client.get_logged_model(model_id)
-    versions = json.loads(model.tags.get(MLFLOW_MODEL_VERSIONS, "[]")) + [{"name": model_name, "version": version}]
+    versions = json.loads(model.tags.get(MLFLOW_MODEL_VERSIONS, "[]"))
+    if any(v["name"] == model_name and str(v["version"]) == str(version) for v in versions):
+        return  # a tracking server links it itself (mlflow/store/tracking/abstract_store.py)
+    versions.append({"name": model_name, "version": version})
     client.set_logged_model_tags(model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(versions)})
 
 

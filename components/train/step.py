@@ -22,7 +22,8 @@ from components.train.local import run_local_training
 from components.train.report import TrainingReport
 from components.train.trainjob import InfrastructureError, TrainJobLauncher
 from trainer.checkpoint.export_store import check_writable
-from trainer.config import Config
+from trainer.config import Config, ConfigError
+from trainer.config.rules import is_s3_uri
 from trainer.data.shards import load_meta
 from trainer.resilience.budget import read_gave_up
 from trainer.run.run_dir import RunDir
@@ -60,7 +61,11 @@ def prepare_evaluation(cfg: Config, mlflow: tracking.Tracker, run: str, data_dir
     """Before any GPU time: the export's destination must be writable (ExportUriNotWritable, exit 2, otherwise);
     the champion the training evaluates against at its end (components.registry); the training data as the run's
     input dataset (mlflow.data: its name, content hash and source)."""
-    check_writable(cfg.eval.export_uri or str(RunDir(cfg.run_dir).path / "export"), cfg.data.s3_endpoint_url)
+    export_root = cfg.eval.export_uri or str(RunDir(cfg.run_dir).path / "export")
+    if cfg.eval.register and cfg.tracking_uri.startswith(("http://", "https://")) and not is_s3_uri(export_root):
+        raise ConfigError(f"eval.export_uri: the tracking server at {cfg.tracking_uri} refuses a local path as a "
+                          f"registered version's source ({export_root}): give an S3 prefix (or eval.register=false)")
+    check_writable(export_root, cfg.data.s3_endpoint_url)
     if cfg.eval.register:
         record_champion(MlflowClient(cfg.tracking_uri), cfg.eval.registered_model_name, cfg.run_dir)
     meta = load_meta(data_dir)

@@ -80,7 +80,8 @@ def test_thirty_faults_of_every_type_and_an_mlflow_outage(tmp_path):
         command = [sys.executable, "-m", "pipelines", "run", "--config", "local", f"--run.work_dir={work}",
                    "--run.run_id=soak", *TRAINING, f"--faults.schedule={schedule}",
                    f"--checkpoint.memory_dir={tmp_path}/node-memory",
-                   f"--mlflow.tracking_uri={server.tracking_uri}", "--mlflow.forward_interval_seconds=3"]
+                   f"--mlflow.tracking_uri={server.tracking_uri}", "--mlflow.forward_interval_seconds=3",
+                   "--eval.export_uri=s3://resilient-train-data/exports"]  # the run's loopback S3
         log_path = tmp_path / "pipeline.out"
         with log_path.open("w") as out:
             pipeline = subprocess.Popen(command, cwd=work, stdout=out, stderr=subprocess.STDOUT,

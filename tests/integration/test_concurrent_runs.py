@@ -22,7 +22,8 @@ RUNS = 4
 FAST = ["--training.num_steps=6", "--checkpoint.interval_steps=3", "--training.batch_size=4",
         "--training.seq_len=32", "--training.warmup_steps=2", "--eval.max_batches=2", "--eval.max_new_tokens=4",
         "--training.nproc_per_node=1", "--resilience.launcher=torchrun", "--faults.schedule=",
-        "--local.s3_server=false", "--local.upload_demo_data=false"]
+        "--local.s3_server=false", "--local.upload_demo_data=false",
+        "--eval.export_uri=s3://resilient-train-data/exports"]
 
 
 def test_concurrent_runs_each_keep_their_whole_record_and_exactly_one_promotion_wins(tmp_path, s3_server):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.hf_serving import generate_with_plain_transformers
 from trainer.checkpoint.export import export_hf
 from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
@@ -70,32 +71,11 @@ def test_init_from_a_folder_without_weights_names_the_field(tmp_path):
         index_base_weights(tmp_path, read_base_config(tmp_path))
 
 
-PLAIN_TRANSFORMERS = """
-import json, sys
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-folder, prompts, max_new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, use_safetensors=True).eval()
-out = []
-for prompt in prompts:
-    inputs = tokenizer(prompt, return_tensors="pt")
-    with torch.inference_mode():
-        generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    out.append({"prompt": prompt, "ids": inputs["input_ids"][0].tolist(),
-                "completion": tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)})
-print(json.dumps(out))
-"""
-
-
 def test_the_export_reproduces_the_runs_generations_with_plain_transformers(trained_run, tmp_path):
     """What a model server (transformers, vLLM) does with the folder: AutoTokenizer adds the special tokens
     the model was trained with, config.json and generation_config.json agree with the tokenizer on them, and
     greedy decoding gives the run's own generations.json — loaded in a process that imports no project code."""
     import json
-    import subprocess
-    import sys
 
     from trainer.data.tokenizer import load_tokenizer
     from trainer.evaluate.heldout import generate
@@ -107,10 +87,7 @@ def test_the_export_reproduces_the_runs_generations_with_plain_transformers(trai
     expected = generate(model, load_tokenizer(manifest["tokenizer"]), prompts, max_new_tokens=24)  # the trainer's
     out = export_hf(checkpoint, tmp_path / "hf", dtype="float32")
 
-    proc = subprocess.run([sys.executable, "-c", PLAIN_TRANSFORMERS, str(out), json.dumps(prompts), "24"],
-                          cwd=tmp_path, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    served = json.loads(proc.stdout)
+    served = generate_with_plain_transformers(out, prompts, 24, tmp_path)
     training_tokenizer = load_tokenizer("byte")
     for mine, theirs in zip(expected, served):
         [trained_ids] = training_tokenizer.encode_documents([mine["prompt"]])

@@ -16,6 +16,10 @@ pytestmark = pytest.mark.integration
 
 FAST = ["--training.num_steps=6", "--checkpoint.interval_steps=3", "--training.batch_size=4",
         "--training.seq_len=32", "--training.warmup_steps=2", "--local.demo_documents=200", "--eval.max_batches=4"]
+# Both runs share one S3 server: the export goes to it in shards of at most 2 MB, in float32 (so plain
+# transformers reproduces the fp32 evaluation's generations), and the second run reads the first one's from there.
+EXPORT = ["--local.s3_server=false", "--eval.export_uri=s3://resilient-train-data/exports",
+          "--eval.export_max_file_gb=0.002", "--eval.export_dtype=float32", "--eval.every_steps=3"]
 
 
 def run_cli(*args, cwd):
@@ -38,8 +42,16 @@ def mlflow_server(work):
 
 
 @pytest.fixture(scope="module")
-def successful_run(work, mlflow_server):
-    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e", *FAST,
+def shared_s3(work):
+    from pipelines.local_stack import S3Server
+
+    with S3Server(log_dir=work / "s3-logs") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def successful_run(work, mlflow_server, shared_s3):
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e", *FAST, *EXPORT,
                    f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--faults.schedule=sigkill@4:rank=1",
                    "--data.tokenize_tasks=2", cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -49,7 +61,7 @@ def successful_run(work, mlflow_server):
 @pytest.fixture(scope="module")
 def second_run(successful_run, work, mlflow_server):
     """The same training without the fault, so the same held-out loss: the gate must keep the champion."""
-    proc = run_cli("run", "-v", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e-2", *FAST,
+    proc = run_cli("run", "-v", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e-2", *FAST, *EXPORT,
                    f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--eval.promotion_threshold=0.001",
                    cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -149,7 +161,7 @@ def test_mlflow_has_a_parent_run_with_a_nested_run_per_step(successful_run, work
     assert [m.step for m in client.get_metric_history(train_run, "checkpoint_background_seconds")] == committed
     assert sorted(m.step for m in client.get_metric_history(train_run, "checkpoint_blocking_seconds")) == started
     assert 6 in committed and set(committed) <= set(started) <= {3, 6}
-    assert by_step["validate"].data.metrics["checks_passed"] == 4
+    assert by_step["validate"].data.metrics["checks_passed"] == 3
     assert by_step["stage"].data.metrics["objects"] == 4
     train = by_step["train"]
     assert train.data.metrics["recoveries"] == 1 and train.data.metrics["recoveries_ft_launcher"] == 1
@@ -203,18 +215,67 @@ def test_the_first_run_registers_the_champion_and_the_second_is_compared_with_it
     client = MlflowClient(mlflow_server.tracking_uri)
     champion = client.get_model_version_by_alias("resilient-train-llama", "champion")
     assert champion.version == "1" and champion.tags["pipeline_run_id"] == "e2e"
-    files = {a.path for a in client.list_artifacts(champion.run_id, "model")}
-    assert {"model/config.json", "model/model.safetensors", "model/tokenizer.json"} <= files
+    # Registered from the export the training's ranks wrote to S3, linked to its checkpoint's LoggedModel.
+    assert champion.source == "s3://resilient-train-data/exports/e2e/step-000006"
+    logged = client.get_logged_model(champion.tags["model_id"])
+    assert logged.name == "step-000006" and logged.source_run_id == champion.run_id
+    linked = json.loads(logged.tags["mlflow.modelVersions"])
+    assert [(v["name"], str(v["version"])) for v in linked] == [("resilient-train-llama", "1")]
+    assert {m.key for m in logged.metrics} >= {"heldout_loss", "multiple_choice_accuracy", "checkpoint_bytes"}
 
     first = json.loads((work / "fsx" / "runs" / "e2e" / "summary.json").read_text())
     second = json.loads((work / "fsx" / "runs" / "e2e-2" / "summary.json").read_text())
     decision = second["promotion"]
     assert decision["promote"] is False and decision["champion_version"] == "1"
-    # The champion, re-evaluated from its registered HF export on the same windows, scores what its run did.
-    assert decision["champion_loss"] == pytest.approx(first["heldout_loss"], rel=1e-6)
+    # The champion, read by the second run's ranks from its export in S3 and evaluated on the same windows, scores
+    # what its own run did.
+    record = json.loads((work / "fsx" / "runs" / "e2e-2" / "eval" / "step-000006.json").read_text())
+    assert record["champion"]["source"] == champion.source
+    assert record["champion"]["heldout_loss"] == pytest.approx(first["heldout_loss"], rel=1e-6)
+    assert decision["champion_loss"] == record["champion"]["heldout_loss"]
     assert second["heldout_loss"] == first["heldout_loss"]  # bit-identical training with and without the fault
     assert "kept the champion: held-out loss" in second_run.stdout
     assert len(client.search_model_versions("name = 'resilient-train-llama'")) == 1
+
+
+def test_the_export_is_sharded_in_s3_by_both_ranks_and_serves_the_runs_generations(successful_run, work, shared_s3):
+    import boto3
+
+    from tests.hf_serving import generate_with_plain_transformers
+
+    record = json.loads((work / "fsx" / "runs" / "e2e" / "eval" / "step-000006.json").read_text())
+    assert record["export"]["complete"] and record["export"]["weight_files"] > 1
+    s3 = boto3.client("s3")
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="resilient-train-data", Prefix="exports/e2e/step-000006/")["Contents"]]
+    names = {key.rsplit("/", 1)[-1] for key in keys}
+    shards = sorted(n for n in names if n.endswith(".safetensors"))
+    assert len(shards) == record["export"]["weight_files"] and "export-complete.json" in names
+    assert "model.safetensors.index.json" in names and not (work / "fsx" / "runs" / "e2e" / "export-staging" /
+                                                            "step-000006").exists()  # uploaded, then removed
+    folder = work / "served"
+    folder.mkdir()
+    for key in keys:
+        s3.download_file("resilient-train-data", key, str(folder / key.rsplit("/", 1)[-1]))
+    expected = record["candidate"]["generations"]
+    served = generate_with_plain_transformers(folder, [g["prompt"] for g in expected], 48, work)
+    assert [s["completion"] for s in served] == [g["completion"] for g in expected]
+
+
+def test_the_tracking_server_never_receives_model_bytes(second_run, mlflow_server):
+    """Its own artifact store: the runs' small files (generations, plots, logs), no weights."""
+    stored = [p for p in (mlflow_server.store_dir / "artifacts").rglob("*") if p.is_file()]
+    assert stored and not [p for p in stored if p.suffix in (".safetensors", ".bin", ".pt", ".distcp")]
+    assert sum(p.stat().st_size for p in stored) < 4_600_000  # less than one fp32 export of this tiny model
+
+
+def test_periodic_validation_is_in_the_metrics_and_counted_as_badput(successful_run, work):
+    lines = [json.loads(line) for line in (work / "fsx" / "runs" / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    validated = {r["step"]: r for r in lines if "val_loss" in r}
+    assert set(validated) == {3, 6} and all(r["val_seconds"] > 0 for r in validated.values())
+    from trainer.run.run_dir import RunDir
+
+    train = json.loads(RunDir(work / "fsx" / "runs" / "e2e").step_result("train").read_text())
+    assert train["badput_seconds"]["evaluation"] > 0 and train["final_evaluation_seconds"] > 0
 
 
 def test_compare_lists_the_runs_side_by_side(second_run, work, mlflow_server):
@@ -327,7 +388,7 @@ def test_the_same_run_id_again_continues_the_run(successful_run, work, mlflow_se
     from mlflow.tracking import MlflowClient
 
     proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=e2e",
-                   *[a for a in FAST if not a.startswith("--training.num_steps")], "--training.num_steps=9",
+                   *[a for a in FAST if not a.startswith("--training.num_steps")], "--training.num_steps=9", *EXPORT,
                    f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--faults.schedule=sigkill@4:rank=1",
                    "--data.tokenize_tasks=2", cwd=work)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
