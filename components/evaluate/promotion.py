@@ -97,9 +97,9 @@ def decide_against(current, record: dict[str, Any], threshold: float, champion_m
         return decide(candidate_loss, loss, threshold, current.version)
     if files_gone:
         promote = champion_missing == "promote"
+        outcome = "promoted on the candidate's own evaluation" if promote else "the candidate is refused"
         return GateDecision(promote, f"champion v{current.version} cannot be evaluated, its export is gone ({why}): "
-                                     f"{'promoted on the candidate' if promote else 'kept, the candidate refused'}"
-                                     f"'s own evaluation (eval.champion_missing={champion_missing})",
+                                     f"{outcome} (eval.champion_missing={champion_missing})",
                             candidate_loss, None, current.version, threshold)
     return GateDecision(False, f"deferred: {why}", candidate_loss, None, current.version, threshold)
 

@@ -70,14 +70,14 @@ def run_evaluate(cfg: Config, checkpoint: str) -> dict[str, Any]:
             mlflow.log_artifact(run, generations)
         result = {"checkpoint": checkpoint, "step": step, "evaluation": str(path), "export_uri": export["uri"],
                   **figures, "generations": candidate.get("generations", []), "tasks": candidate.get("tasks", {})}
-        if not export.get("complete"):
-            raise ExportFailed(f"the export of step {step} to {export['uri']} failed: {export.get('error')}. The "
-                               f"validated checkpoint {checkpoint} stays; fix eval.export_uri and run the pipeline "
-                               "again (its training is complete, so its job only evaluates and exports)")
         failed = {name: r["error"] for name, r in candidate.get("tasks", {}).items() if "error" in r}
         if failed and cfg.eval.tasks_required:
             raise EvaluationTaskFailed("evaluation task(s) failed and eval.tasks_required is true, so nothing is "
                                        "promoted: " + "; ".join(f"{n}: {e}" for n, e in failed.items()))
+        if not export.get("complete"):
+            raise ExportFailed(f"the export of step {step} to {export['uri']} failed: {export.get('error')}. The "
+                               f"validated checkpoint {checkpoint} stays; fix eval.export_uri and run the pipeline "
+                               "again (its training is complete, so its job only evaluates and exports)")
         if cfg.eval.register:
             decision = _promotion_gate(cfg, mlflow, run, checkpoint, record, step)
             if failed:
