@@ -246,7 +246,8 @@ def test_the_export_is_sharded_in_s3_by_both_ranks_and_serves_the_runs_generatio
     record = json.loads((work / "fsx" / "runs" / "e2e" / "eval" / "step-000006.json").read_text())
     assert record["export"]["complete"] and record["export"]["weight_files"] > 1
     s3 = boto3.client("s3")
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="resilient-train-data", Prefix="exports/e2e/step-000006/")["Contents"]]
+    listed = s3.list_objects_v2(Bucket="resilient-train-data", Prefix="exports/e2e/step-000006/")["Contents"]
+    keys = [item["Key"] for item in listed]
     names = {key.rsplit("/", 1)[-1] for key in keys}
     shards = sorted(n for n in names if n.endswith(".safetensors"))
     assert len(shards) == record["export"]["weight_files"] and "export-complete.json" in names

@@ -90,7 +90,8 @@ def upload_share(folder: Path, uri: str, rank: int, world_size: int, endpoint_ur
             client.upload_file(str(path), bucket, f"{prefix}/{path.name}", Config=config)
         except Exception as err:  # botocore and s3transfer raise many types; all mean "not uploaded"
             raise ExportStoreError(f"uploading {path} to {uri}/{path.name} failed: {err}") from err
-    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files), "seconds": time.perf_counter() - started}
+    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "seconds": time.perf_counter() - started}
 
 
 def complete_marker(folder: Path, info: dict[str, Any]) -> dict[str, Any]:

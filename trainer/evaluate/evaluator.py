@@ -38,6 +38,7 @@ from trainer.data.tokenizer import load_tokenizer
 from trainer.evaluate.heldout import Ranks, generate, heldout_loss, heldout_windows
 from trainer.evaluate.tasks import TaskContext, run_tasks
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
+from trainer.observe.memory import peak_rss, reset_peak
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Evaluator:
                      self.run_dir.evaluation(step))
             return previous
         champion = self._agree(champion)
+        rss_before = reset_peak()
         self.model.eval()
         tokenizer = load_tokenizer(self.tokenizer_spec)
         windows = heldout_windows(self.data_dir, self.cfg.training.seq_len, self.cfg.eval.batch_size,
@@ -112,6 +114,7 @@ class Evaluator:
             record["champion"] = {"version": champion.get("version"), "source": champion.get("source"),
                                   **self._evaluate_champion(champion, windows, tokenizer)}
         record["seconds"] = time.perf_counter() - started
+        record["memory"] = self._memory(rss_before)
         if self.ranks.rank == 0:
             write_json(self.run_dir.evaluation(step), record, ensure_ascii=False)
         log.info("final evaluation of step %d: held-out loss %.4f%s, export %s (%.1f s)", step,
@@ -120,6 +123,17 @@ class Evaluator:
                  if champion else "", record["export"].get("uri") if record["export"].get("complete")
                  else f"failed: {record['export'].get('error')}", record["seconds"])
         return record
+
+    def _memory(self, rss_before: int) -> dict[str, list[int]]:
+        """Each rank's resident memory before the final evaluation, its peak during it (evaluation, export, the
+        champion's load) and its parameters' shard: what the evaluation cost over the shard it already held."""
+        shard = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in self.model.parameters())
+        mine = [rss_before, peak_rss(), shard]
+        every: list[Any] = [mine] * self.ranks.world_size
+        if self.ranks.world_size > 1:
+            dist.all_gather_object(every, mine)
+        return {"rss_before_bytes": [r[0] for r in every], "peak_rss_bytes": [r[1] for r in every],
+                "shard_bytes": [r[2] for r in every]}
 
     def _evaluate(self, windows, tokenizer, generations: bool) -> dict[str, Any]:
         result = heldout_loss(self.model, windows, self.ranks)
