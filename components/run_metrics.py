@@ -4,7 +4,8 @@ The live forwarder (components.forwarder) applies them to the lines it tails whi
 train step's report (components.train.report) to the history at the end, so a committed checkpoint or a
 recovery reads the same in both:
 
-- ``step_rows(records, after, every)`` — per-step metrics at the configured cadence, each step once;
+- ``step_rows(records, after, every)`` — per-step metrics at the configured cadence (and every val_loss), each step
+  once;
 - ``event_record(event, recoveries)`` — a fault, a failed save, a recovery (its seconds and lost steps at
   its first step, and the running count ``recoveries``), a straggler report, an interval choice, a committed
   checkpoint, a save's stall (the worst rank's, reduced by the ranks: trainer.checkpoint.commit);
@@ -29,13 +30,14 @@ RECOVERY_METRICS = ("recovery_seconds", "lost_steps", "reload_seconds", "reinit_
 def step_rows(records: list[dict[str, Any]], after: int, every: int) -> tuple[list[dict[str, Any]], int]:
     """The per-step records MLflow gets, and the newest step seen: each step once — a step replayed after a
     fault (at or below `after`, the newest step already seen) adds no second point, the first one stands —
-    and every `every`-th step only (mlflow.step_metric_every)."""
+    and every `every`-th step only (mlflow.step_metric_every), except a step with a periodic validation
+    (val_loss: eval.every_steps), which always goes."""
     sent = []
     for record in records:
         step = int(record["step"])
         if step > after:
             after = step
-            if step % every == 0:
+            if step % every == 0 or "val_loss" in record:
                 sent.append(record)
     return sent, after
 

@@ -147,6 +147,10 @@ def test_the_training_ranks_final_evaluation_is_the_full_logits_loss(trained_run
     accuracy = candidate["tasks"]["multiple_choice"]["metrics"]["accuracy"]
     assert 0.0 <= accuracy <= 1.0 and candidate["tasks"]["multiple_choice"]["metrics"]["questions"] == 16
 
+    memory = record["memory"]  # each rank: what the evaluation and export added to the shard it held
+    for before, peak, shard in zip(memory["rss_before_bytes"], memory["peak_rss_bytes"], memory["shard_bytes"]):
+        assert 0 < shard and peak - before < shard + 192 * 2**20
+
     windows = heldout_windows(token_dir, 32, cfg.eval.batch_size, 4)
     assert windows.fingerprint == record["windows"]
     model, _ = load_model_from_checkpoint(cfg.checkpoint_dir / "step-000008")
@@ -154,3 +158,44 @@ def test_the_training_ranks_final_evaluation_is_the_full_logits_loss(trained_run
         logits = model(input_ids=torch.from_numpy(windows.inputs)).logits.float()
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), torch.from_numpy(windows.targets).reshape(-1))
     assert candidate["heldout_loss"] == pytest.approx(float(loss), rel=1e-5)
+
+
+MEASURE_VALIDATE = """
+import json, sys
+from pathlib import Path
+from components.validate.checks import check_checkpoint
+from trainer.observe.memory import peak_rss, reset_peak
+held = reset_peak()
+report = check_checkpoint(Path(sys.argv[1]))
+print(json.dumps({"growth": peak_rss() - held, "largest_item": report["largest_item_bytes"]}))
+"""
+
+
+def test_validation_memory_is_a_few_tensors_not_the_model(tmp_path):
+    """A 51 M-parameter checkpoint with its optimizer state (620 MB): the streamed validation's peak RSS grows by
+    its threads' tensors and a constant, not by the model (the load into one process held all of it)."""
+    import subprocess
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=258, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=16)
+    model = LlamaForCausalLM(config)
+    state = {"model": model.state_dict(), "trainer": {"step": torch.tensor(3)},
+             "optim": {"state": {name: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                                 for name, p in model.named_parameters()}}}
+    state_bytes = sum(t.nbytes for t in model.state_dict().values()) * 3
+    del model
+    folder = tmp_path / "step-000003"
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    del state
+    write_manifest(folder, 3, {"world_size": 1, "run_id": "memory", "model_config": config.to_dict()})
+    proc = subprocess.run([sys.executable, "-c", MEASURE_VALIDATE, str(folder)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measured = json.loads(proc.stdout)
+    assert state_bytes > 600e6
+    assert measured["growth"] < 4 * measured["largest_item"] + 96 * 2**20, (measured, state_bytes)
