@@ -47,13 +47,14 @@ golden: install  ## regenerate the golden compiled pipelines the tests diff agai
 	$(PY) -m pipelines compile --config local -o tests/golden/pipeline-local.yaml
 	$(PY) -m pipelines compile --config pipelines/configs/eks-prod.yaml -o tests/golden/pipeline-eks.yaml
 
-bench: install  ## every benchmark (~110 min on 2 cores), then the report bench/README.md
+bench: install  ## every benchmark (~120 min on 2 cores), then the report bench/README.md
 	$(PY) bench/checkpoint.py
 	$(PY) bench/recovery.py
 	$(PY) bench/goodput.py
 	$(PY) bench/staging.py
 	$(PY) bench/data.py
 	$(PY) bench/startup.py
+	$(PY) bench/evaluate.py
 	$(PY) bench/straggler.py
 	$(PY) bench/control_plane.py
 	$(PY) bench/network_faults.py

@@ -458,6 +458,53 @@ def startup_section(s: dict) -> list[str]:
     ]
 
 
+def evaluate_section(e: dict) -> list[str]:
+    rows = []
+    for world, r in e["world_sizes"].items():
+        v, ev, ex = r["validate"], r["evaluate"], r["export"]
+        rows.append([world, f"{r['model_bytes_fp32'] / 1e6:.0f}",
+                     f"{v['today']['peak_rss_over_model']:.2f}", f"{v['new']['peak_rss_over_model']:.2f}",
+                     f"{ev['today']['peak_rss_over_model']:.2f}", f"{ev['new']['peak_rss_over_model']:.2f}",
+                     f"{max(ev['new']['rank_peak_rss_over_shard']):.2f}", f"{ev['new']['gate_peak_rss_over_model']:.2f}",
+                     f"{ex['today']['peak_rss_over_model']:.2f}",
+                     f"{ex['today']['bytes_through_tracking_server'] / 1e6:.0f} MB",
+                     f"{ex['new']['bytes_through_tracking_server']} B"])
+    seconds = []
+    for world, r in e["world_sizes"].items():
+        v, ev, ex = r["validate"], r["evaluate"], r["export"]
+        seconds.append([world, f"{v['today']['seconds']:.1f}", f"{v['new']['seconds']:.1f}",
+                        f"{ev['today']['seconds']:.1f}", f"{ev['new']['seconds_final_evaluation']:.1f}",
+                        f"{ev['new']['seconds_candidate_heldout_and_tasks']:.1f}", f"{ev['new']['gate_seconds']:.1f}",
+                        f"{ex['today']['seconds']:.1f}", f"{ex['new']['seconds']:.1f}"])
+    worst_gate = max(r["evaluate"]["new"]["gate_peak_rss_over_model"] for r in e["world_sizes"].values())
+    worst_validate = max(r["validate"]["new"]["peak_rss_over_model"] for r in e["world_sizes"].values())
+    through = max(r["export"]["new"]["bytes_through_tracking_server"] for r in e["world_sizes"].values())
+    return [
+        "## Validation, evaluation and export — `bench/evaluate.py`", "",
+        "```bash", ".venv/bin/python bench/evaluate.py      # 101 M parameters at 1 and 2 ranks, ~10 min", "```", "",
+        f"{when(e)}A model of the `{e['preset']}` preset's shape trained one step by the trainer, twice per world size "
+        "(the second run's champion: the first's export), against a real MLflow tracking server on loopback. Today's "
+        "path (commit f605da9): validate and evaluate load the model into one process (fp32, full logits), the champion "
+        "downloaded through the tracking server; the export written by one process and uploaded through the tracking "
+        "server. The new one: validate streams the checkpoint; the training's ranks evaluate, export (each rank its "
+        "part, to S3) and read the champion from its export; the gate registers the export's URI. *Peak RSS / model*: "
+        "a process's peak RSS over what it held after its imports, over the model's fp32 bytes (the ranks: the "
+        "largest rank's growth during the final evaluation; *rank / shard*: over its own shard).", "",
+        *table(["ranks", "model MB", "validate: today", "new", "evaluate: today", "new ranks", "new rank / shard",
+                "gate", "export: today", "through MLflow: today", "new"], rows),
+        *table(["ranks", "validate s: today", "new", "evaluate s: today (candidate + champion)",
+                "new: whole final evaluation", "new: held-out + tasks", "gate", "export s: today", "new"], seconds),
+        *table(["goal", "value", ""], [
+            ["the gate's peak RSS independent of the model (< 0.5 x a 101 M model)", f"{worst_gate:.2f}",
+             goal(worst_gate, 0.5, at_least=False)],
+            ["validation's peak RSS < 0.5 x the model", f"{worst_validate:.2f}",
+             goal(worst_validate, 0.5, at_least=False)],
+            ["model bytes through the tracking server", f"{through} B", goal(through, 0, at_least=False)]]),
+        "The new final evaluation's seconds include the champion's load and evaluation, the generations and the "
+        "export; today's evaluate seconds the candidate's and the champion's loads and evaluations (no export).", "",
+    ]
+
+
 def pipeline_steps_section(p: dict) -> list[str]:
     lines = [
         "## Pipeline steps — `bench/pipeline_steps.py`", "",
@@ -675,7 +722,8 @@ def restart_budget_section() -> list[str]:
 def main() -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     results = {name: load(f"{name}.json") for name in ("checkpoint", "recovery", "goodput", "staging", "data",
-                                                         "startup", "pipeline_steps", "straggler", "control_plane")}
+                                                         "startup", "evaluate", "pipeline_steps", "straggler",
+                                                         "control_plane")}
     info = next((r["machine"] for r in results.values() if r and "machine" in r), None) or machine()
     lines = [
         "# Benchmarks", "",
@@ -688,7 +736,7 @@ def main() -> int:
     ]
     for name, section in (("checkpoint", checkpoint_section), ("recovery", recovery_section),
                           ("goodput", goodput_section), ("staging", staging_section), ("data", data_section),
-                          ("startup", startup_section),
+                          ("startup", startup_section), ("evaluate", evaluate_section),
                           ("pipeline_steps", pipeline_steps_section), ("straggler", straggler_section),
                           ("control_plane", lambda r: control_plane_section(r, load("control_plane_before.json")))):
         if results[name] is not None:

@@ -25,7 +25,8 @@ from trainer.run.run_dir import RunDir, read_json, write_json
 
 
 class EvaluationMissing(RuntimeError):
-    """No evaluation record for the checkpoint's step; the message says where it was looked for and what to do."""
+    """No evaluation of the checkpoint's step (no record, or no held-out window); the message says where it was
+    looked for and what to do."""
 
 
 class ExportFailed(RuntimeError):
@@ -52,6 +53,9 @@ def run_evaluate(cfg: Config, checkpoint: str) -> dict[str, Any]:
                                     f"after the final checkpoint {checkpoint}; run the pipeline again (its training is "
                                     "complete, so its job only evaluates and exports)")
         candidate = record["candidate"]
+        if "error" in candidate:
+            raise EvaluationMissing(f"the held-out evaluation of step {step} failed ({path}): {candidate['error']}; "
+                                    f"the checkpoint {checkpoint} and its export ({record['export'].get('uri')}) stay")
         figures = {"heldout_loss": candidate["heldout_loss"], "perplexity": candidate["perplexity"],
                    "eval_tokens_per_second": candidate["eval_tokens_per_second"],
                    **task_metrics(candidate.get("tasks", {}))}

@@ -101,3 +101,21 @@ def test_a_task_that_raises_is_named_and_the_others_still_count(unlucky_run):
     required = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, tasks_required=True))
     with pytest.raises(EvaluationTaskFailed, match=r"tests.eval_tasks:raises: RuntimeError: the task's data file"):
         run_evaluate(required, str(cfg.checkpoint_dir / "step-000004"))
+
+
+def test_no_held_out_window_fails_the_evaluate_step_keeping_checkpoint_and_export(unlucky_run):
+    """The trainer records why it could not evaluate (a held-out split shorter than one window) and still exports;
+    the evaluate step fails saying so."""
+    from components.evaluate.step import EvaluationMissing
+
+    cfg, _, record = unlucky_run
+    path = RunDir(cfg.run_dir).evaluation(4)
+    original = path.read_text()
+    try:
+        write_json(path, {**record, "windows": None,
+                          "candidate": {"error": "the held-out split has no complete window of 33 tokens"}})
+        with pytest.raises(EvaluationMissing, match=r"held-out evaluation of step 4 failed .*no complete window of 33 "
+                                                    r"tokens; the checkpoint .*step-000004 and its export .* stay"):
+            run_evaluate(cfg, str(cfg.checkpoint_dir / "step-000004"))
+    finally:
+        path.write_text(original)

@@ -75,8 +75,14 @@ class Evaluator:
             return {}
         started = time.perf_counter()
         if self._val_windows is None:
-            self._val_windows = heldout_windows(self.data_dir, self.cfg.training.seq_len, self.cfg.eval.batch_size,
-                                                self.cfg.eval.val_batches)
+            try:
+                self._val_windows = heldout_windows(self.data_dir, self.cfg.training.seq_len,
+                                                    self.cfg.eval.batch_size, self.cfg.eval.val_batches)
+            except ValueError as err:  # the same data on every rank: every rank stops validating alike
+                log.warning("periodic validation is off for this launch: %s", err)
+                self._val_windows = False
+        if self._val_windows is False:
+            return {}
         was_training = self.model.training
         self.model.eval()
         try:
@@ -102,25 +108,31 @@ class Evaluator:
         rss_before = reset_peak()
         self.model.eval()
         tokenizer = load_tokenizer(self.tokenizer_spec)
-        windows = heldout_windows(self.data_dir, self.cfg.training.seq_len, self.cfg.eval.batch_size,
-                                  self.cfg.eval.max_batches)
-        record: dict[str, Any] = {"step": step, "checkpoint": checkpoint, "windows": windows.fingerprint,
-                                  "champion_asked": champion, "run_id": self.cfg.run.run_id}
-        record["candidate"] = self._evaluate(windows, tokenizer, generations=True)
+        windows, no_windows = None, None
+        try:
+            windows = heldout_windows(self.data_dir, self.cfg.training.seq_len, self.cfg.eval.batch_size,
+                                      self.cfg.eval.max_batches)
+        except ValueError as err:  # no held-out window: nothing to compare by, but the model is still exported
+            no_windows = str(err)
+            log.error("no held-out evaluation of step %d: %s", step, err)
+        record: dict[str, Any] = {"step": step, "checkpoint": checkpoint, "run_id": self.cfg.run.run_id,
+                                  "windows": windows.fingerprint if windows else None, "champion_asked": champion}
+        record["candidate"] = (self._evaluate(windows, tokenizer, generations=True) if windows
+                               else {"error": no_windows})
         self.beat()
         record["export"] = self._export(step, checkpoint)
         self.beat()
-        if champion:
+        if champion and windows:
             record["champion"] = {"version": champion.get("version"), "source": champion.get("source"),
                                   **self._evaluate_champion(champion, windows, tokenizer)}
         record["seconds"] = time.perf_counter() - started
         record["memory"] = self._memory(rss_before)
         if self.ranks.rank == 0:
             write_json(self.run_dir.evaluation(step), record, ensure_ascii=False)
-        log.info("final evaluation of step %d: held-out loss %.4f%s, export %s (%.1f s)", step,
-                 record["candidate"]["heldout_loss"],
+        log.info("final evaluation of step %d: held-out loss %s%s, export %s (%.1f s)", step,
+                 record["candidate"].get("heldout_loss", record["candidate"].get("error")),
                  f", champion {record['champion'].get('heldout_loss', record['champion'].get('error'))}"
-                 if champion else "", record["export"].get("uri") if record["export"].get("complete")
+                 if "champion" in record else "", record["export"].get("uri") if record["export"].get("complete")
                  else f"failed: {record['export'].get('error')}", record["seconds"])
         return record
 
@@ -220,6 +232,9 @@ class Evaluator:
         if "error" in index:
             return {"error": index["error"], "files_gone": False}
         load_base_weights(self.model, folder, index)
+        self._first_error(None)  # every rank has read its rows
+        if is_s3_uri(source) and self.ranks.rank == 0:
+            remove_local(folder)  # a copy made for this evaluation: 16 GB per 8B champion would pile up on FSx
         self.beat()
         result = self._evaluate(windows, tokenizer, generations=False)
         result["load_seconds"] = time.perf_counter() - started
