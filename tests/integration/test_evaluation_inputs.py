@@ -119,3 +119,15 @@ def test_no_held_out_window_fails_the_evaluate_step_keeping_checkpoint_and_expor
             run_evaluate(cfg, str(cfg.checkpoint_dir / "step-000004"))
     finally:
         path.write_text(original)
+
+
+def test_a_finished_run_launched_again_only_evaluates(unlucky_run, token_dir):
+    """Nothing left to train: the job resumes at its last step and runs the final evaluation and export again —
+    the evaluation job of a finished run, with the same code."""
+    from components.train.local import run_local_training
+
+    cfg, _, _ = unlucky_run
+    result = run_local_training(cfg, token_dir)
+    assert result["steps"] == 4 and result["steps_this_launch"] == 0
+    record = json.loads(RunDir(cfg.run_dir).evaluation(4).read_text())
+    assert record["candidate"]["heldout_loss"] > 0 and record["export"]["complete"] is False  # the bucket is still gone

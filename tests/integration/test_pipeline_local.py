@@ -222,6 +222,10 @@ def test_the_first_run_registers_the_champion_and_the_second_is_compared_with_it
     linked = json.loads(logged.tags["mlflow.modelVersions"])
     assert [(v["name"], str(v["version"])) for v in linked] == [("resilient-train-llama", "1")]
     assert {m.key for m in logged.metrics} >= {"heldout_loss", "multiple_choice_accuracy", "checkpoint_bytes"}
+    [trained_on] = client.get_run(champion.run_id).inputs.dataset_inputs  # the train run's input (mlflow.data)
+    assert trained_on.dataset.name == "demo" and trained_on.dataset.source_type == "s3"
+    assert json.loads(trained_on.dataset.source) == {"uri": "s3://resilient-train-data/datasets/demo"}
+    assert {t.key: t.value for t in trained_on.tags}["content_hash"].startswith(trained_on.dataset.digest)
 
     first = json.loads((work / "fsx" / "runs" / "e2e" / "summary.json").read_text())
     second = json.loads((work / "fsx" / "runs" / "e2e-2" / "summary.json").read_text())
