@@ -38,7 +38,7 @@ from trainer.data.tokenizer import load_tokenizer
 from trainer.evaluate.heldout import Ranks, generate, heldout_loss, heldout_windows
 from trainer.evaluate.tasks import TaskContext, run_tasks
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
-from trainer.observe.memory import peak_rss, reset_peak
+from trainer.observe.memory import peak_rss, reset_peak, return_freed_memory
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ class Evaluator:
                      self.run_dir.evaluation(step))
             return previous
         champion = self._agree(champion)
+        if self.ranks.device.type == "cpu":
+            return_freed_memory()  # training is over: the heap it grew is given back, large blocks are mapped
         rss_before = reset_peak()
         self.model.eval()
         tokenizer = load_tokenizer(self.tokenizer_spec)

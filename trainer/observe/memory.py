@@ -27,3 +27,23 @@ def reset_peak() -> int:
 def peak_rss() -> int:
     """The peak resident set in bytes since the last reset (or the process's start)."""
     return _status("VmHWM")
+
+
+def return_freed_memory() -> None:
+    """glibc only (a no-op elsewhere): give the freed heap back to the OS, and from now on serve large blocks with
+    their own mappings, returned when freed. Why: glibc raises its mmap threshold to the size of the largest block
+    freed (up to 32 MB, mallopt(3)), so FSDP2's per-layer all-gather buffers on CPU then come from the heap, which
+    fragments and keeps them: one no-grad forward of a 101 M model at 2 ranks left RSS 800 MB higher (2 x the
+    model), 50 MB with the threshold fixed at 1 MB. On GPUs those buffers are CUDA memory; this is for CPU ranks."""
+    import ctypes  # only here: glibc's allocator controls, looked up when used
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h): fixed, so the dynamic adjustment stops
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
