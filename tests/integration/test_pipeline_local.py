@@ -322,13 +322,14 @@ def test_missing_bucket_fails_clearly_and_touches_nothing_saved(successful_run, 
     assert client.get_run(summary["mlflow_parent_run_id"]).info.status == "FAILED"
 
 
-def test_a_crash_loop_fails_the_run_and_mlflow_holds_everything_up_to_it(successful_run, work, mlflow_server):
+def test_a_crash_loop_fails_the_run_and_mlflow_holds_everything_up_to_it(successful_run, work, mlflow_server,
+                                                                         shared_s3):
     """A fault that recurs at step 5 after every resume: the restart budget gives up (exit code 42, no
     relaunch), the pipeline fails naming the step, the fault and the layer, and the MLflow train run is FAILED
     with its reason, every loss point, the recovery of the earlier fault, train.log and the plots."""
     from mlflow.tracking import MlflowClient
 
-    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=loop", *FAST,
+    proc = run_cli("run", "--config", "local", f"--run.work_dir={work}", "--run.run_id=loop", *FAST, *EXPORT,
                    f"--mlflow.tracking_uri={mlflow_server.tracking_uri}", "--mlflow.forward_interval_seconds=2",
                    "--faults.schedule=sigkill@2:rank=1, exception@5:repeat",
                    "--resilience.max_restarts_without_progress=2", cwd=work)
