@@ -10,8 +10,11 @@ from trainer.run.events import read_events
 
 # Small enough for 2 CPU ranks in seconds; still the real model, FSDP2, gloo and DCP.
 # Straggler reports every 5 steps: every clean run of the suite is a check for false positives (the audit below).
+# The final evaluation's generations: 4 tokens a prompt (each token is a forward of the sharded model, a collective;
+# 48, the default, cost ~3 s per training run here; tests/integration/test_pipeline_local.py keeps 48).
 FAST_TRAINING = ["--training.batch_size=4", "--training.seq_len=32", "--training.warmup_steps=2",
-                 "--training.log_every=2", "--eval.max_batches=4", "--resilience.straggler_interval=5"]
+                 "--training.log_every=2", "--eval.max_batches=4", "--eval.max_new_tokens=4",
+                 "--resilience.straggler_interval=5"]
 
 
 @pytest.fixture(scope="session")

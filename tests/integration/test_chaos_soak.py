@@ -30,7 +30,8 @@ pytestmark = pytest.mark.integration
 NUM_STEPS = 400
 TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--training.seq_len=32",
             "--training.warmup_steps=5", "--training.log_every=50", "--checkpoint.interval_steps=5",
-            "--local.demo_documents=200", "--eval.max_batches=4", "--resilience.heartbeat_timeout=8",
+            "--local.demo_documents=200", "--eval.max_batches=4", "--eval.max_new_tokens=4",
+            "--resilience.heartbeat_timeout=8",
             "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1",
             # A start-up hang ends at its phase's timeout: short ones, still far above a normal phase here.
             "--resilience.startup_timeouts=" + ",".join(f"{phase}=15" for phase in STARTUP_PHASES)]
