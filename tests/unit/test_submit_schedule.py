@@ -132,7 +132,8 @@ def test_a_token_kfp_does_not_accept_is_one_clear_line(kfp_api, monkeypatch, cap
     monkeypatch.setenv("KF_PIPELINES_TOKEN", "minted-for-another-audience")
     assert main(["submit", "--config", EKS, "--idempotency-key", "k", "--host", kfp_api.url]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: the KFP API at {kfp_api.url} refused the credentials (401)")
+    assert err[-1].startswith(f"error: the KFP API at {kfp_api.url} refused the credentials (401: ")
+    assert "--audience=pipelines.kubeflow.org" in err[-1]
 
 
 @pytest.mark.parametrize("cron, message", [
