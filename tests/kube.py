@@ -26,16 +26,22 @@ def build(path: Path) -> list[dict[str, Any]]:
     return [o for o in yaml.safe_load_all(kustomize(path)) if o]
 
 
-def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]:
-    """(object, namespace, pod spec) of every pod template: Deployments, Jobs and each replicated job of a
-    ClusterTrainingRuntime (whose pods run in the TrainJob's namespace, given by the caller)."""
+def pod_template_objects(objects: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """(object, namespace, pod template with its metadata) of every pod template: Deployments, Jobs and each
+    replicated job of a ClusterTrainingRuntime (whose pods run in the TrainJob's namespace, given by the caller)."""
     for obj in objects:
         namespace = obj["metadata"].get("namespace")
         if obj["kind"] in ("Deployment", "Job"):
-            yield obj, namespace, obj["spec"]["template"]["spec"]
+            yield obj, namespace, obj["spec"]["template"]
         if obj["kind"] == "ClusterTrainingRuntime":
             for job in obj["spec"]["template"]["spec"]["replicatedJobs"]:
-                yield obj, None, job["template"]["spec"]["template"]["spec"]
+                yield obj, None, job["template"]["spec"]["template"]
+
+
+def pod_templates(objects: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], str, dict[str, Any]]]:
+    """(object, namespace, pod spec) of every pod template (pod_template_objects)."""
+    for obj, namespace, template in pod_template_objects(objects):
+        yield obj, namespace, template["spec"]
 
 
 def grants(objects: list[dict[str, Any]], service_account: str, namespace: str) -> set[tuple[str, str, str, str]]:

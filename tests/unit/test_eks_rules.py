@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from components.train.trainjob import build_trainjob
-from tests.kube import MANIFESTS, ROOT, build, grants, pod_templates
+from tests.kube import MANIFESTS, ROOT, build, grants, pod_template_objects, pod_templates
 from tests.pod_security import violations
 from trainer.config import load_config
 
@@ -135,6 +135,47 @@ def test_every_pod_template_passes_the_pod_security_level_its_namespace_enforces
         checked += 1
     # the runtime's node, rendezvous and lighthouse pods, MLflow, fsx-prepare, and the p5 clusters' warm spare
     assert checked == (5 if name == "dev" else 6)
+
+
+# -- 2b. Istio in Profile namespaces ---------------------------------------------------------------------
+
+# Kubeflow's profile controller labels every Profile namespace istio-injection=enabled (kubeflow/kubeflow
+# components/profile-controller/controllers/profile_controller.go, istioInjectionLabel).
+PROFILE_NAMESPACE_LABELS = {"istio-injection": "enabled"}
+SIDECAR = "sidecar.istio.io/inject"
+
+
+def istio_injects(namespace_labels: dict[str, str], pod_metadata: dict) -> bool:
+    """Istio's injection policy (istio.io, Setup > Additional setup > Sidecar injection, "Controlling the
+    injection policy"): the namespace label istio-injection and the pod label sidecar.istio.io/inject; if either
+    is disabled the pod is not injected, else if either is enabled it is; neither set: not injected
+    (enableNamespacesByDefault is off by default)."""
+    pod = pod_metadata.get("labels", {}).get(SIDECAR)
+    namespace = namespace_labels.get("istio-injection")
+    if pod == "false" or namespace == "disabled":
+        return False
+    return pod == "true" or namespace == "enabled"
+
+
+def test_no_pod_gets_an_istio_sidecar_in_the_profile_namespace(cluster):
+    """A sidecar in a Profile namespace sits in front of every port a pod opens: the training pods' NCCL/gloo
+    collectives, torchft's manager and the metrics port, the rendezvous store (29400), the lighthouse (29510) and
+    MLflow (5000) would take connections only through Envoy, with mTLS the training pods (which have no sidecar)
+    cannot speak, and a Job's sidecar outlives its container so the Job never completes. Kubeflow's rule for
+    training jobs in a user namespace: annotate the pods sidecar.istio.io/inject: "false" (kubeflow.org, "PyTorch
+    Training (PyTorchJob)": "doesn't work in a user namespace by default because of Istio automatic sidecar
+    injection"). Istio reads the pod label (current) and the annotation (older releases): both are set."""
+    name, objects, _ = cluster
+    assert istio_injects(PROFILE_NAMESPACE_LABELS, {"labels": {}})  # the rule would catch a pod left out
+    seen = set()
+    for obj, _, template in pod_template_objects(objects):
+        metadata = template.get("metadata", {})
+        pod_name = metadata.get("labels", {}).get("app.kubernetes.io/name")
+        assert not istio_injects(PROFILE_NAMESPACE_LABELS, metadata), (name, obj["kind"], pod_name)
+        assert metadata.get("annotations", {}).get(SIDECAR) == "false", (name, pod_name)
+        seen.add(pod_name)
+    assert {"resilient-train-trainer", "resilient-train-rendezvous", "resilient-train-lighthouse", "mlflow",
+            "fsx-prepare"} <= seen
 
 
 def test_long_running_pods_meet_restricted_and_only_the_preparation_runs_as_root(cluster):
@@ -538,6 +579,52 @@ def test_kueue_is_configured_to_manage_trainjobs():
     assert "trainer.kubeflow.org/trainjob" in configuration["integrations"]["frameworks"]
     assert configuration["manageJobsWithoutQueueName"] is False  # fsx-prepare and KFP's pods are not queued
     assert configuration["waitForPodsReady"]["enable"] is True
+
+
+def test_kueue_pins_only_the_training_pods_to_gpu_nodes(cluster):
+    """The TrainJob's pod sets through Kueue's flavor assignment, then kube-scheduler's node filters
+    (tests/scheduling.py, with sources): the training pods land only on GPU nodes of the job's type; the rendezvous
+    store and the lighthouse get the system flavor and never land on a GPU node, tainted or not (docs/node-loss.md:
+    they must outlive any training node)."""
+    from tests.scheduling import assign_flavors, fits
+    from tests.unit.test_manifests import _quantity
+
+    name, objects, cfg = cluster
+    runtime, node_pod = runtime_pod(objects)
+    job = build_trainjob(cfg, "/fsx/datasets/v1")
+    patch = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0][
+        "template"]["spec"]["template"]["spec"]
+    resources = job["spec"]["trainer"]["resourcesPerNode"]
+    container = {**node_pod["containers"][0], "resources": {
+        "requests": {**node_pod["containers"][0]["resources"]["requests"], **resources["requests"]}}}
+    training = {**node_pod, "containers": [container], "nodeSelector": {**node_pod.get("nodeSelector", {}),
+                                                                        **patch.get("nodeSelector", {})},
+                "tolerations": patch.get("tolerations", node_pod.get("tolerations", []))}
+    jobs = {j["name"]: j["template"]["spec"]["template"]["spec"] for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    pod_sets = [("node", job["spec"]["trainer"]["numNodes"], training), ("rendezvous", 1, jobs["rendezvous"]),
+                ("lighthouse", 1, jobs["lighthouse"])]
+    flavors = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ResourceFlavor"}
+    queue = one(objects, "ClusterQueue", "resilient-train")
+    gpu_type = cfg.kubernetes.node_selector_map["node.kubernetes.io/instance-type"]
+    gpu_node = {"labels": {"node.kubernetes.io/instance-type": gpu_type},
+                "taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}
+    untainted_gpu_node = {"labels": {"node.kubernetes.io/instance-type": gpu_type}}
+    system_node = {"labels": {"node.kubernetes.io/instance-type": "m6i.2xlarge"}}
+
+    admitted = assign_flavors(pod_sets, queue, flavors, _quantity)
+    flavor, pod = admitted["node"]
+    assert flavor == "gpu-nodes" and fits(pod, gpu_node) and not fits(pod, system_node), name
+    for support in ("rendezvous", "lighthouse"):
+        flavor, pod = admitted[support]
+        assert flavor == "system-nodes", (name, support, flavor)
+        assert fits(pod, system_node) and not fits(pod, gpu_node) and not fits(pod, untainted_gpu_node), (name, support)
+
+    # The rule catches the old layout: one flavor, no affinity; the rendezvous then lands on a GPU node.
+    old_queue = {"spec": {"resourceGroups": [{**queue["spec"]["resourceGroups"][0],
+                                              "flavors": queue["spec"]["resourceGroups"][0]["flavors"][:1]}]}}
+    old_rendezvous = {k: v for k, v in jobs["rendezvous"].items() if k != "affinity"}
+    _, pod = assign_flavors([("rendezvous", 1, old_rendezvous)], old_queue, flavors, _quantity)["rendezvous"]
+    assert fits(pod, gpu_node)
 
 
 def test_the_stage_tasks_cache_key_holds_no_per_run_value():

@@ -162,6 +162,8 @@ def test_kueue_admits_each_configs_trainjob_within_its_clusters_quota(overlay):
     runtime = objects[("ClusterTrainingRuntime", cfg.kubernetes.runtime_name)]
     requests = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
         "containers"][0]["resources"]["requests"]
+    # Trainer v2.3 merges the TrainJob's resourcesPerNode into the runtime's container: what Kueue sees.
+    requests = {**requests, **job["spec"]["trainer"]["resourcesPerNode"]["requests"]}
     [group] = objects[("ClusterQueue", cfg.kubernetes.queue_name)]["spec"]["resourceGroups"]
     quota = {r["name"]: r["nominalQuota"] for r in group["flavors"][0]["resources"]}
     nodes = job["spec"]["trainer"]["numNodes"]
