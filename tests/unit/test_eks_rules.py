@@ -567,18 +567,57 @@ def test_the_jobsets_restart_budget_covers_the_pod_faults_the_planner_expects(cl
 
 # -- 10. Kueue, caching, one config per overlay ------------------------------------------------------------
 
-def test_kueue_is_configured_to_manage_trainjobs():
+# A cluster's Kueue Configuration as other teams leave it: other frameworks, fair sharing, tuned controllers.
+CLUSTER_KUEUE_CONFIG = """
+apiVersion: config.kueue.x-k8s.io/v1beta2
+kind: Configuration
+health: {healthProbeBindAddress: ":8081"}
+controller:
+  groupKindConcurrency: {Job.batch: 10, Workload.kueue.x-k8s.io: 10}
+fairSharing: {enable: true}
+integrations:
+  frameworks: ["batch/job", "ray.io/rayjob", "pod"]
+  podOptions:
+    namespaceSelector: {matchExpressions: [{key: kubernetes.io/metadata.name, operator: NotIn, values: [kube-system]}]}
+"""
+
+
+def test_kueue_manages_trainjobs_and_the_cluster_keeps_its_own_configuration(capsys, tmp_path):
     """Kueue manages a TrainJob only when its Configuration lists the integration, whose name is
-    "trainer.kubeflow.org/trainjob" (kubernetes-sigs/kueue pkg/controller/jobs/trainjob/
-    trainjob_controller.go, FrameworkName); the Configuration is read from ConfigMap kueue-manager-config,
-    key controller_manager_config.yaml, in kueue-system, API config.kueue.x-k8s.io/v1beta2 (Kueue >= 0.15)."""
-    [configmap] = build(MANIFESTS / "kueue-config")
-    assert (configmap["metadata"]["name"], configmap["metadata"]["namespace"]) == ("kueue-manager-config", "kueue-system")
-    configuration = yaml.safe_load(configmap["data"]["controller_manager_config.yaml"])
-    assert configuration["apiVersion"] == "config.kueue.x-k8s.io/v1beta2" and configuration["kind"] == "Configuration"
-    assert "trainer.kubeflow.org/trainjob" in configuration["integrations"]["frameworks"]
-    assert configuration["manageJobsWithoutQueueName"] is False  # fsx-prepare and KFP's pods are not queued
-    assert configuration["waitForPodsReady"]["enable"] is True
+    "trainer.kubeflow.org/trainjob" (kubernetes-sigs/kueue pkg/controller/jobs/trainjob/trainjob_controller.go,
+    FrameworkName); the Configuration is one per cluster (ConfigMap kueue-manager-config, key
+    controller_manager_config.yaml, in kueue-system, API config.kueue.x-k8s.io/v1beta2, Kueue >= 0.15). The project
+    states what it needs and merges that in; everything else stays the cluster's."""
+    from pipelines.cli import main
+    from pipelines.kueue_config import KueueConfigError, merge, needs
+
+    wanted = needs()
+    assert "trainer.kubeflow.org/trainjob" in wanted["integrations"]["frameworks"]
+    assert wanted["manageJobsWithoutQueueName"] is False  # fsx-prepare and KFP's pods are not queued
+    assert wanted["waitForPodsReady"]["enable"] is True
+    assert not (MANIFESTS / "kueue-config" / "kustomization.yaml").exists()  # nothing replaces the cluster's file
+
+    current = tmp_path / "current.yaml"
+    current.write_text(CLUSTER_KUEUE_CONFIG)
+    assert main(["kueue-config", str(current)]) == 0
+    merged = yaml.safe_load(capsys.readouterr().out)
+    cluster = yaml.safe_load(CLUSTER_KUEUE_CONFIG)
+    assert merged["integrations"]["frameworks"] == ["batch/job", "ray.io/rayjob", "pod", "trainer.kubeflow.org/trainjob"]
+    for key in ("health", "controller", "fairSharing"):
+        assert merged[key] == cluster[key]
+    assert merged["integrations"]["podOptions"] == cluster["integrations"]["podOptions"]
+    assert merged["waitForPodsReady"]["enable"] is True and merged["manageJobsWithoutQueueName"] is False
+    assert merge(merged) == merged  # idempotent: applying it twice changes nothing
+
+    own_timeout = {**cluster, "waitForPodsReady": {"enable": True, "timeout": "30m"}}
+    assert merge(own_timeout)["waitForPodsReady"] == {"enable": True, "timeout": "30m"}
+    with pytest.raises(KueueConfigError, match="manageJobsWithoutQueueName is true.*managedJobsNamespaceSelector"):
+        merge({**cluster, "manageJobsWithoutQueueName": True})
+    assert merge({**cluster, "manageJobsWithoutQueueName": True,
+                  "managedJobsNamespaceSelector": {"matchLabels": {"kueue-managed": "true"}}})
+    current.write_text("apiVersion: v1\nkind: ConfigMap\n")
+    assert main(["kueue-config", str(current)]) == 2
+    assert "not a Kueue Configuration" in capsys.readouterr().err
 
 
 def test_kueue_pins_only_the_training_pods_to_gpu_nodes(cluster):
