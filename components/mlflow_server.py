@@ -20,6 +20,9 @@ PIPELINE_RUN_TAG = "pipeline_run_id"
 STEP_TAG = "pipeline_step"
 SPOOL_KEY_TAG = "spool_key"
 PARENT = "pipeline"  # the spool's name for the parent run
+# KFP's MLflow integration (KFP >= 2.17, KEP-12862) sets this in each task's container: the task's nested run,
+# whose parent (tag mlflow.parentRunId) is the run KFP made for the pipeline run, in experiment MLFLOW_EXPERIMENT_ID.
+KFP_RUN_ENV = "MLFLOW_RUN_ID"
 _METRICS_PER_CALL = 1000  # MLflow's log_batch limits
 _PARAMS_PER_CALL = 100
 
@@ -36,6 +39,7 @@ class MlflowServer:
         self.tracking_uri, self.experiment, self.pipeline_run_id = tracking_uri, experiment, pipeline_run_id
         self.artifact_location, self._tables_dir = artifact_location, Path(tables_dir)
         self._client = None
+        self._adopted_experiment: str | None = None  # KFP's experiment, once its runs were adopted
 
     def client(self):
         if self._client is None:
@@ -61,6 +65,8 @@ class MlflowServer:
         """Get or create, safe when several runs start at once: losing the race to create is not an error."""
         from mlflow.exceptions import MlflowException  # mlflow: 1.4 s to import, and the spool works without it
 
+        if self._adopted_experiment is not None:
+            return self._adopted_experiment
         client = self.client()
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is not None:
@@ -73,19 +79,23 @@ class MlflowServer:
             return client.get_experiment_by_name(self.experiment).experiment_id
 
     def _find_run(self, tags: dict[str, str]):
-        experiment = self.client().get_experiment_by_name(self.experiment)
-        if experiment is None:
-            return None
+        experiment_id = self._adopted_experiment
+        if experiment_id is None:
+            experiment = self.client().get_experiment_by_name(self.experiment)
+            if experiment is None:
+                return None
+            experiment_id = experiment.experiment_id
         filter_string = " and ".join(f"tags.{key} = '{value}'" for key, value in tags.items())
-        runs = self.client().search_runs([experiment.experiment_id], filter_string=filter_string, max_results=1)
+        runs = self.client().search_runs([experiment_id], filter_string=filter_string, max_results=1)
         return runs[0] if runs else None
 
     def deliver(self, op: dict[str, Any], state: dict[str, Any]) -> None:
         from mlflow.entities import Metric, RunTag  # mlflow: 1.4 s to import, and the spool works without it
 
         client = self.client()
+        self._adopted_experiment = state.get("kfp_experiment_id")
         if op["op"] == "start_run":
-            state["runs"][op["run"]] = self._create_or_find_run(op, state)
+            state["runs"][op["run"]] = self._adopt(op, state) if op.get("adopt") else self._create_or_find_run(op, state)
             return
         run_id = state["runs"][op["run"]]  # the spool checked that it exists (Tracker._blocked_by)
         if op["op"] == "metrics":
@@ -167,6 +177,26 @@ class MlflowServer:
             tagged.append({"path": artifact_file, "type": "table"})
             if len(json.dumps(tagged)) <= MAX_TAG_VAL_LENGTH:  # past it the parts are artifacts, unlisted
                 self.client().set_tag(run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(tagged))
+
+    def _adopt(self, op: dict[str, Any], state: dict[str, Any]) -> str:
+        """KFP made the runs: its pipeline run is the parent (not a second one), its task run the step's. They get
+        the tags and params ours would have; KFP keeps their names and ends them too."""
+        from mlflow.entities import Param, RunTag  # mlflow: see deliver
+
+        client = self.client()
+        task_run = client.get_run(op["adopt"])
+        state["kfp_experiment_id"] = self._adopted_experiment = task_run.info.experiment_id
+        if op["run"] == PARENT:
+            run_id = task_run.data.tags.get("mlflow.parentRunId", task_run.info.run_id)
+            tags = {PIPELINE_RUN_TAG: self.pipeline_run_id, STEP_TAG: PARENT, **op["tags"]}
+        else:
+            run_id = task_run.info.run_id
+            tags = {SPOOL_KEY_TAG: op["run"], PIPELINE_RUN_TAG: self.pipeline_run_id, STEP_TAG: op["step"]}
+        client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        params = [Param(k, v) for k, v in op["params"].items()]
+        for start in range(0, len(params), _PARAMS_PER_CALL):
+            client.log_batch(run_id, params=params[start : start + _PARAMS_PER_CALL])
+        return run_id
 
     def _create_or_find_run(self, op: dict[str, Any], state: dict[str, Any]) -> str:
         from mlflow.entities import Param, RunTag  # mlflow: 1.4 s to import, and the spool works without it

@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from components.mlflow_server import PARENT, MlflowServer, TrackingUnavailable, is_outage
+from components.mlflow_server import KFP_RUN_ENV, PARENT, MlflowServer, TrackingUnavailable, is_outage
 from trainer.run.run_dir import RunDir, read_json, read_jsonl, write_atomic, write_json
 
 log = logging.getLogger(__name__)
@@ -89,15 +89,27 @@ class Tracker:
     # -- what the steps call -------------------------------------------------------------------------
 
     def start_parent(self, params: dict[str, str], tags: dict[str, str]) -> None:
-        self._record({"op": "start_run", "run": PARENT, "tags": tags, "params": params})
+        self._record({"op": "start_run", "run": PARENT, "tags": tags, "params": params, **self._kfp_run()})
 
     def start_step(self, step: str, *, one_per_pipeline_run: bool = False) -> str:
         """A nested run for one execution of a step; returns its spool key. A retry gets a new run, unless
         one_per_pipeline_run (the train step: a retried launcher re-attaches to the same training, so its
         metrics continue in the same MLflow run, which is marked running again)."""
         key = step if one_per_pipeline_run else f"{step}-{uuid.uuid4().hex[:12]}"
-        self._record({"op": "start_run", "run": key, "step": step, "tags": {}, "params": {}})
+        self._record({"op": "start_run", "run": key, "step": step, "tags": {}, "params": {}, **self._kfp_run()})
         return key
+
+    def _kfp_run(self) -> dict[str, str]:
+        """The run KFP's MLflow integration made for this task (components.mlflow_server.KFP_RUN_ENV), when it tracks
+        to our server: kept in the journal, so whichever process delivers adopts KFP's runs, not a second parent."""
+        run_id, theirs = os.environ.get(KFP_RUN_ENV), os.environ.get("MLFLOW_TRACKING_URI", "").rstrip("/")
+        if not run_id:
+            return {}
+        if theirs and theirs != self.tracking_uri.rstrip("/"):
+            log.warning("KFP tracks this run in MLflow at %s, the config at %s: its runs are not adopted",
+                        theirs, self.tracking_uri)
+            return {}
+        return {"adopt": run_id}
 
     def forward(self, run: str, rows: list[list], cursor: dict[str, Any],
                 tables: list[tuple[str, dict[str, list], int]] = ()) -> None:

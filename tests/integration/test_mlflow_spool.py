@@ -95,3 +95,50 @@ def test_prepare_goes_on_when_the_tracking_server_never_answers(tmp_path):
     assert tracker(cfg).pending() == 1
     journal = [json.loads(line) for line in (cfg.run_dir / "mlflow-spool" / "journal.jsonl").read_text().splitlines()]
     assert journal[0]["op"] == "start_run" and journal[0]["params"]["training.num_steps"] == str(cfg.training.num_steps)
+
+
+@pytest.mark.parametrize("kfp_tracks_to", ["this server", "another server", "nothing"])
+def test_kfps_own_mlflow_runs_are_adopted_not_doubled(tmp_path, monkeypatch, kfp_tracks_to):
+    """KFP >= 2.17 with its MLflow integration (KEP-12862) makes a run per pipeline run and a nested run per task,
+    and gives each task's container MLFLOW_RUN_ID (its nested run), MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_ID
+    (kubeflow/pipelines backend/src/v2/common/plugins/mlflow/handler.go). Then KFP's pipeline run is the parent and
+    its task runs are the steps' runs: no second parent. Without it (or tracking elsewhere), our own parent."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config("local", [f"--run.work_dir={tmp_path / 'work'}", "--run.run_id=kfp-run",
+                                f"--mlflow.tracking_uri={uri}"])
+    client = MlflowClient(uri)
+    kfp_experiment = client.create_experiment("Default-kfp")
+    kfp_parent = client.create_run(kfp_experiment, run_name="resilient-train-abc12").info.run_id
+
+    def kfp_task(name: str) -> str:  # what the KFP driver does before a task's container starts
+        task = client.create_run(kfp_experiment, run_name=name, tags={"mlflow.parentRunId": kfp_parent}).info.run_id
+        if kfp_tracks_to != "nothing":
+            monkeypatch.setenv("MLFLOW_RUN_ID", task)
+            monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", kfp_experiment)
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", uri if kfp_tracks_to == "this server" else "http://kfp-mlflow:5000")
+        return task
+
+    prepare_task = kfp_task("prepare")
+    prepared = run_prepare(cfg)
+    train_task = kfp_task("train")
+    mlflow = tracker(cfg)  # another task's process
+    run = mlflow.start_step("train", one_per_pipeline_run=True)
+    mlflow.log_metrics(run, [{"step": 1, "loss": 2.5, "time": 1_700_000_000}])
+    mlflow.end_run(run, "FINISHED")
+    assert mlflow.pending() == 0
+
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()], max_results=100)
+    if kfp_tracks_to == "this server":
+        assert prepared["mlflow_parent_run_id"] == kfp_parent == mlflow.run_id()
+        assert mlflow.run_id(run) == train_task
+        parent = client.get_run(kfp_parent)
+        assert parent.data.tags["pipeline_run_id"] == "kfp-run" and parent.data.params  # our tags and params on it
+        assert client.get_metric_history(train_task, "loss")[0].value == 2.5
+        assert {r.info.run_id for r in runs} == {kfp_parent, prepare_task, train_task}  # nothing made twice
+        assert client.get_experiment_by_name(cfg.run.experiment) is None
+    else:
+        ours = mlflow.run_id()
+        assert ours not in (kfp_parent, prepare_task, train_task) and prepared["mlflow_parent_run_id"] == ours
+        assert client.get_run(mlflow.run_id(run)).data.tags["mlflow.parentRunId"] == ours
