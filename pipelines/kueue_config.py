@@ -3,12 +3,14 @@ everything else left as the cluster has it.
 
     kubectl -n kueue-system get configmap kueue-manager-config \\
         -o jsonpath='{.data.controller_manager_config\\.yaml}' > kueue-current.yaml
-    python -m pipelines kueue-config kueue-current.yaml > kueue-merged.yaml
+    python -m pipelines.kueue_config kueue-current.yaml > kueue-merged.yaml
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +50,23 @@ def merge(current: dict[str, Any], wanted: dict[str, Any] | None = None) -> dict
     return merged
 
 
-def kueue_config_command(current_text: str) -> str:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.kueue_config", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("current", help="the cluster's controller_manager_config.yaml, or - for standard input")
+    args = parser.parse_args(argv)
     try:
-        current = yaml.safe_load(current_text)
-    except yaml.YAMLError as err:
-        raise KueueConfigError(f"the current Configuration is not YAML: {err}") from err
-    if not isinstance(current, dict):
-        raise KueueConfigError("the current Configuration is empty or not a mapping")
-    return yaml.safe_dump(merge(current), sort_keys=False)
+        text = sys.stdin.read() if args.current == "-" else Path(args.current).read_text()
+        current = yaml.safe_load(text)
+        if not isinstance(current, dict):
+            raise KueueConfigError("the current Configuration is empty or not a mapping")
+        merged = merge(current)
+    except (KueueConfigError, OSError, yaml.YAMLError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(merged, sort_keys=False), end="")  # the command's output: the merged Configuration
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

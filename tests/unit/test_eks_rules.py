@@ -7,7 +7,12 @@ level, the FSx roots are writable by the uid the pods run as, MLflow answers the
 manages TrainJobs, and preemption does not spend the JobSet's restarts.
 """
 
+import json
+import os
 import re
+import subprocess
+import textwrap
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -110,6 +115,73 @@ def test_the_ci_identity_may_do_exactly_what_submit_and_schedule_ask_of_kfp(caps
             assert main([*argv, "--config", config, "--host", api.url]) == 0, capsys.readouterr().err
     assert api.denied == []
     assert set(api.authorized) == granted, f"granted but never used: {granted - set(api.authorized)}"
+
+
+def test_the_ci_group_may_mint_the_token_and_reach_kfps_api_and_nothing_more():
+    """The workflow's kubectl calls (.github/workflows/retrain.yaml): `create token resilient-train-ci` (a create
+    on serviceaccounts/token) and `port-forward svc/ml-pipeline`, which gets the Service, lists its pods by the
+    selector and creates pods/portforward on one (kubernetes/kubectl pkg/cmd/portforward/portforward.go,
+    AttachablePodForObject). The access entry's group gets exactly these."""
+    objects = build(MANIFESTS / "ci-access")
+    roles = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objects if o["kind"] == "Role"}
+    granted = set()
+    for binding in (o for o in objects if o["kind"] == "RoleBinding"):
+        assert binding["subjects"] == [{"kind": "Group", "apiGroup": "rbac.authorization.k8s.io",
+                                        "name": "resilient-train-ci"}]
+        namespace = binding["metadata"]["namespace"]
+        for rule in roles[(namespace, binding["roleRef"]["name"])]["rules"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    for name in rule.get("resourceNames", ["*"]):
+                        granted.add((namespace, resource, verb, name))
+    assert granted == {("resilient-train", "serviceaccounts/token", "create", "resilient-train-ci"),
+                       ("kubeflow", "services", "get", "ml-pipeline"), ("kubeflow", "pods", "get", "*"),
+                       ("kubeflow", "pods", "list", "*"), ("kubeflow", "pods/portforward", "create", "*")}
+    workflow = (ROOT / ".github" / "workflows" / "retrain.yaml").read_text()
+    assert "create token resilient-train-ci" in workflow and "port-forward svc/ml-pipeline" in workflow
+
+
+def test_each_role_trusts_its_service_account_where_the_overlay_puts_it(tmp_path):
+    """IRSA: STS answers AssumeRoleWithWebIdentity only when the token's `sub`, system:serviceaccount:<namespace>:
+    <name>, meets the role's trust condition (EKS User Guide, "Assign IAM roles to Kubernetes service accounts").
+    The commands of docs/first-run-on-eks.md, step 3, run as written (a stand-in `aws` records its calls) for a
+    multi-user and a standalone overlay: every role is created with the trust of its own ServiceAccount's namespace
+    (standalone KFP moves the pipeline's to `kubeflow`), named as cluster-values.env names it, with its permission
+    policy filled in."""
+    doc = (ROOT / "docs" / "first-run-on-eks.md").read_text()
+    block = doc.split("<!-- tests/unit/test_eks_rules.py runs the next block with a stand-in `aws` -->", 1)[1]
+    script = textwrap.dedent(block.split("```bash\n", 1)[1].split("```", 1)[0])
+    stub = tmp_path / "bin" / "aws"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\necho "$@" >> "$AWS_CALLS"\ncase "$1 $2" in\n'
+                    '  "sts get-caller-identity") echo 210987654321 ;;\n'
+                    '  "eks describe-cluster") echo https://oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE ;;\nesac\n')
+    stub.chmod(0o755)
+    for overlay in ("prod", "dev"):
+        out = tmp_path / overlay
+        calls = tmp_path / f"{overlay}.calls"
+        text = script.replace("OVERLAY=prod", f"OVERLAY={overlay}").replace("build/iam", str(out))
+        env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", "AWS_CALLS": str(calls)}
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, proc.stderr
+        accounts = {o["metadata"]["name"]: o for o in build(MANIFESTS / "overlays" / overlay)
+                    if o["kind"] == "ServiceAccount" and "eks.amazonaws.com/role-arn" in o["metadata"].get("annotations", {})}
+        created = [line.split() for line in calls.read_text().splitlines() if line.startswith("iam create-role")]
+        assert len(created) == len(accounts) == 3
+        for account in accounts.values():
+            role = account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].rsplit("/", 1)[1]
+            [call] = [c for c in created if c[c.index("--role-name") + 1] == role]
+            trust = json.loads(Path(call[call.index("--assume-role-policy-document") + 1].removeprefix("file://")).read_text())
+            condition = trust["Statement"][0]["Condition"]["StringEquals"]
+            subject = f"system:serviceaccount:{account['metadata']['namespace']}:{account['metadata']['name']}"
+            assert condition["oidc.eks.us-east-1.amazonaws.com/id/EXAMPLE:sub"] == subject
+            assert trust["Statement"][0]["Principal"]["Federated"].startswith("arn:aws:iam::210987654321:oidc-provider/")
+            policy = (out / f"{role}-policy.json").read_text()
+            assert not re.search(r"AWS_ACCOUNT_ID|AWS_REGION|DATA_BUCKET|ARTIFACT_BUCKET|FSX_FILE_SYSTEM_ID", policy)
+            json.loads(policy)
+        if overlay == "dev":
+            assert accounts["resilient-train-pipeline"]["metadata"]["namespace"] == "kubeflow"
 
 
 # -- 2. Pod Security Admission ----------------------------------------------------------------------------
@@ -588,8 +660,7 @@ def test_kueue_manages_trainjobs_and_the_cluster_keeps_its_own_configuration(cap
     FrameworkName); the Configuration is one per cluster (ConfigMap kueue-manager-config, key
     controller_manager_config.yaml, in kueue-system, API config.kueue.x-k8s.io/v1beta2, Kueue >= 0.15). The project
     states what it needs and merges that in; everything else stays the cluster's."""
-    from pipelines.cli import main
-    from pipelines.kueue_config import KueueConfigError, merge, needs
+    from pipelines.kueue_config import KueueConfigError, main, merge, needs
 
     wanted = needs()
     assert "trainer.kubeflow.org/trainjob" in wanted["integrations"]["frameworks"]
@@ -599,7 +670,7 @@ def test_kueue_manages_trainjobs_and_the_cluster_keeps_its_own_configuration(cap
 
     current = tmp_path / "current.yaml"
     current.write_text(CLUSTER_KUEUE_CONFIG)
-    assert main(["kueue-config", str(current)]) == 0
+    assert main([str(current)]) == 0
     merged = yaml.safe_load(capsys.readouterr().out)
     cluster = yaml.safe_load(CLUSTER_KUEUE_CONFIG)
     assert merged["integrations"]["frameworks"] == ["batch/job", "ray.io/rayjob", "pod", "trainer.kubeflow.org/trainjob"]
@@ -616,7 +687,7 @@ def test_kueue_manages_trainjobs_and_the_cluster_keeps_its_own_configuration(cap
     assert merge({**cluster, "manageJobsWithoutQueueName": True,
                   "managedJobsNamespaceSelector": {"matchLabels": {"kueue-managed": "true"}}})
     current.write_text("apiVersion: v1\nkind: ConfigMap\n")
-    assert main(["kueue-config", str(current)]) == 2
+    assert main([str(current)]) == 2
     assert "not a Kueue Configuration" in capsys.readouterr().err
 
 
