@@ -31,8 +31,9 @@ def server(tmp_path):
         proc.wait()
 
 
-def _client(socket_path, *args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "trainer", *args], env={**os.environ, WARM_START_ENV: str(socket_path)},
+def _client(socket_path, *args, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args],
+                            env={**os.environ, WARM_START_ENV: str(socket_path), **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
@@ -82,8 +83,15 @@ def test_a_signal_to_the_worker_reaches_the_trainer_and_its_status_comes_back(se
 
 
 def test_without_a_server_the_worker_starts_cold(tmp_path):
+    """The launcher names its server's process with the socket (WARM_START_PID_ENV); a server that is gone (or
+    never served) leaves the worker to start cold at once, here straight into the config's own error. Without a
+    pid the worker would wait wait_until_serving's whole timeout for a server still importing."""
+    from trainer.env import WARM_START_PID_ENV
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
     client = _client(tmp_path / "no-such.sock", "--config", "local", "--data-dir", str(tmp_path),
-                     "--training.num_steps=0")
+                     "--training.num_steps=0", env={WARM_START_PID_ENV: str(gone.pid)})
     _, stderr = client.communicate(timeout=120)
     assert client.returncode == 2 and "training.num_steps" in stderr
 
