@@ -113,7 +113,12 @@ def _node_index(node: str) -> float:
 def opens_a_streak(event: dict[str, Any]) -> bool:
     """A straggler event the table lists: the first report of a streak, or one that acts (replace_node) — a
     node slow for weeks is one row, not one per report (the per-report count goes to ``stragglers``)."""
-    return event.get("event") == "straggler" and (event["consecutive_reports"] == 1 or event["action"] != "report")
+    return event.get("event") == "straggler" and (_first_of_streak(event) or event["action"] != "report")
+
+
+def _first_of_streak(event: dict[str, Any]) -> bool:
+    """Run folders before resilience.straggler_confirm_reports named a straggler in its first report."""
+    return event.get("first_of_streak", event["consecutive_reports"] == 1)
 
 
 def table(records: list[dict[str, Any]]) -> dict[str, list]:

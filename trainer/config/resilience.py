@@ -103,8 +103,15 @@ class ResilienceConfig:
     replace_node: also take the straggler's node out through the node-replacement path (multi-node jobs)
     once it has been a straggler in resilience.straggler_patience reports in a row."""
 
+    straggler_confirm_reports: int = 2
+    """Reports in a row a rank must be below the threshold in before it is named a straggler: a straggler is
+    persistently slower, and one window's medians are not yet that (a process sharing the rank's cores for a
+    while, a neighbour's job on the host). Below it in fewer, the rank is a suspect in the report (its
+    `suspects`), named by nobody. 1 names it in the first report."""
+
     straggler_patience: int = 3
-    """Reports in a row naming the same node before on_straggler=replace_node replaces it."""
+    """Reports in a row naming the same node (counted from its first slow one) before
+    on_straggler=replace_node replaces it; at least straggler_confirm_reports."""
 
     min_replica_groups: int = 0
     """With training.replica_groups = R >= 2: the fewest groups the job goes on with when a group cannot come
@@ -164,7 +171,10 @@ class ResilienceConfig:
             raise ConfigError(f"resilience.startup_timeouts: {err}") from err
         require(self.straggler_interval >= 0, "resilience.straggler_interval", "must be >= 0 (0: off)")
         require(0 < self.straggler_threshold <= 1, "resilience.straggler_threshold", "must be in (0, 1]")
-        require(self.straggler_patience >= 1, "resilience.straggler_patience", "must be >= 1")
+        require(self.straggler_confirm_reports >= 1, "resilience.straggler_confirm_reports", "must be >= 1")
+        require(self.straggler_patience >= self.straggler_confirm_reports, "resilience.straggler_patience",
+                f"must be >= resilience.straggler_confirm_reports ({self.straggler_confirm_reports}): a node is "
+                "replaced only once it is named a straggler")
 
 
     def min_groups(self, groups: int) -> int:

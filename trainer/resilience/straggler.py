@@ -13,7 +13,10 @@ Either way the result is NVRx's ``Report``: per section, score = the fastest ran
 median ("relative") and the rank's own best median / its median now ("individual"), in (0, 1]. Besides the
 four sections, the portable path scores ``step``: the rank's own work in a step (data + forward_backward +
 optimizer). A rank whose relative ``step`` score (or GPU score) is below ``resilience.straggler_threshold`` is
-a straggler; its sections' scores say where. One section alone names nobody: it can differ between healthy
+slow; its sections' scores say where. It is named a straggler once it is slow in
+``resilience.straggler_confirm_reports`` reports in a row (a straggler is persistently slower: one window's
+medians can be a process that shared its cores for a while); before that it is a suspect in the report. One
+section alone names nobody: it can differ between healthy
 ranks (a garbage collection, an uneven shard), while a slow node is slow in all its work. The individual
 scores are reported beside it but name no straggler either: a whole job that slows (a shared file system, a
 checkpoint) lowers every rank's individual score and no node is to blame.
@@ -25,8 +28,9 @@ a wait costs no CPU time. A section less than MIN_GAP_SECONDS slower than the fa
 (timer noise on sections of microseconds), and a report is made only over a whole interval of steps (not
 over the few steps between a restart and the next report).
 
-Rank 0 writes a ``straggler_report`` event per report (the lowest step score, the stragglers' ranks) and a
-``straggler`` event per straggler (rank, node, its scores per section, reports in a row); every rank sets its
+Rank 0 writes a ``straggler_report`` event per report (the lowest step score, the stragglers' and the
+suspects' ranks) and a ``straggler`` event per straggler when it is named (rank, node, its scores per section,
+reports in a row); every rank sets its
 Prometheus gauges (its own scores). With
 ``resilience.on_straggler=replace_node`` a node that is a straggler in ``straggler_patience`` reports in a
 row is taken out through the node-replacement path (trainer.launch.node_lifecycle): its ranks record why and end
@@ -128,6 +132,7 @@ class StragglerDetector:
         self.threshold = resilience.straggler_threshold
         self.replace_nodes = resilience.on_straggler == "replace_node"
         self.patience = resilience.straggler_patience
+        self.confirm = resilience.straggler_confirm_reports
         # One rank has no one to compare with.
         self.interval = resilience.straggler_interval if world_size > 1 else 0
         self.node = node_name()
@@ -224,17 +229,27 @@ class StragglerDetector:
 
     def _judge(self, report: Any, step: int, steps: int) -> dict[str, Any]:
         found = {**findings(report, self.threshold, step), "steps": steps}
-        slow_nodes = {s["node"] for s in found["stragglers"]}
-        self._streaks = {node: self._streaks.get(node, 0) + 1 for node in slow_nodes}
+        slow = found["stragglers"]
+        self._streaks = {node: self._streaks.get(node, 0) + 1 for node in {s["node"] for s in slow}}
+        found["stragglers"] = [s for s in slow if self._streaks[s["node"]] >= self.confirm]
+        found["suspects"] = [s["straggler_rank"] for s in slow if self._streaks[s["node"]] < self.confirm]
         # Compact: the per-rank maps (thousands of ranks, every interval for weeks) stay out of the events;
         # each straggler's own scores are in its straggler event, every rank's in its Prometheus gauges.
         self.events.write("straggler_report", step=step, steps=steps, threshold=self.threshold, ranks=len(
-            found["rank_to_node"]), lowest=found["lowest"], stragglers=[s["straggler_rank"] for s in found["stragglers"]])
+            found["rank_to_node"]), lowest=found["lowest"], stragglers=[s["straggler_rank"] for s in found["stragglers"]],
+            suspects=found["suspects"])
+        for suspect in (s for s in slow if s["straggler_rank"] in found["suspects"]):
+            log.info("straggler suspect: rank %d (node %s) at step %d: its work at %.2f of the fastest rank's "
+                     "(threshold %.2f) in %d report(s) in a row; named once slow in %d", suspect["straggler_rank"],
+                     suspect["node"], step, suspect["score"], self.threshold, self._streaks[suspect["node"]],
+                     self.confirm)
         for straggler in found["stragglers"]:
             streak = self._streaks[straggler["node"]]
             action = "replace_node" if self.replace_nodes and streak >= self.patience else "report"
-            if streak == 1 or action != "report":  # a control record per streak (and per action), not per report
-                self.events.write("straggler", step=step, consecutive_reports=streak, action=action,
+            # a control record per streak (when it is named) and per action, not per report
+            if streak == self.confirm or action != "report":
+                self.events.write("straggler", step=step, consecutive_reports=streak,
+                                  first_of_streak=streak == self.confirm, action=action,
                                   threshold=self.threshold, **straggler)
             log.warning("straggler: rank %d (node %s) at step %d: its work at %.2f of the fastest rank's (threshold "
                         "%.2f; slowest section %s at %.2f), %d report(s) in a row%s", straggler["straggler_rank"],

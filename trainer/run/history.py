@@ -187,7 +187,8 @@ class ControlState:
         known = self.stragglers.setdefault(str(record["straggler_rank"]), {
             "straggler_rank": record["straggler_rank"], "node": record.get("node"), "step": record["step"],
             "streaks": 0, "score": record["score"], "section": record.get("section")})
-        known["streaks"] += record.get("consecutive_reports", 1) == 1
+        # run folders before resilience.straggler_confirm_reports named a straggler in its first report
+        known["streaks"] += record.get("first_of_streak", record.get("consecutive_reports", 1) == 1)
         known["replaced"] = known.get("replaced", False) or record.get("action") == "replace_node"
         if record["score"] < known["score"]:
             known.update(score=record["score"], section=record.get("section"))
