@@ -53,8 +53,10 @@ def test_every_fault_type_is_recovered_with_bit_identical_losses(tmp_path, token
     # reported failed on every rank, never committed, and the next save committed.
     failed = read_events(faulty.run_dir, "checkpoint_failed")
     assert {(e["rank"], e["step"]) for e in failed if e["step"] == 20} == {(0, 20), (1, 20)}
-    assert [e["fault_key"] for e in failed if e["rank"] == 1] == ["checkpoint_writer_crash@20:rank=1"]
-    assert "injected checkpoint_writer_crash@20:rank=1" in failed[0]["error"]
+    [writer_crash] = [e for e in failed if e["rank"] == 1]
+    assert writer_crash["fault_key"] == "checkpoint_writer_crash@20:rank=1"
+    # Rank 0's record of the same save may come first in the event store: its writer saw the peer's reset.
+    assert "injected checkpoint_writer_crash@20:rank=1" in writer_crash["error"]
     committed = [e["step"] for e in read_events(faulty.run_dir, "checkpoint_committed")]
     assert 20 not in committed and 22 in committed
     # Any other save reported failed was in flight when a peer died (a survivor may record it before it is
