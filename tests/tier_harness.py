@@ -1,7 +1,10 @@
 """Run under torchrun by tests/integration/test_checkpoint_tiers.py: train and save to every tier, or only
 resume, then record what the ranks hold.
 
-    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/tier_harness.py train|resume CONFIG DATA
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/tier_harness.py PHASE CONFIG DATA
+
+PHASE: train, resume, or rollback-N (resume, then go back to the newest copy of step N or earlier and drop
+every later one from every tier, as a numeric rollback does: trainer.job.numeric_recovery).
 
 Writes <run_dir>/harness-<phase>.json (rank 0): the step, the last loss and a digest of every rank's local
 state (weights, optimizer moments), so a test can tell that a resume restored exactly what was saved.
@@ -39,6 +42,11 @@ def main() -> None:
             trainer.train()
         else:
             trainer.resume()
+        if phase.startswith("rollback-"):
+            state = trainer.state_dict()
+            step, _ = trainer.checkpointer.load_latest(state, at_most=int(phase.split("-")[1]))
+            trainer.load_state_dict(state)
+            trainer.checkpointer.drop_after(step)
         digests: list = [None] * trainer.world_size
         dist.all_gather_object(digests, state_digest(trainer))
         if trainer.rank == 0:

@@ -151,6 +151,29 @@ def test_a_resume_takes_the_newest_valid_copy_from_the_nearest_tier(trained, tok
         assert why in resumed["log"]
 
 
+@pytest.mark.parametrize("breaks, source", [([], "memory"), (["wipe"], "disk"), (["wipe", "delete FSx"], "s3")])
+def test_a_rollback_takes_the_newest_copy_not_after_its_step_and_drops_the_later_ones_from_every_tier(
+        trained, token_dir, breaks, source):
+    cfg, store, pristine, objects, _, losses = trained
+    s3 = boto3.client("s3")
+    _reset(s3, cfg, store, pristine, objects)
+    if "wipe" in breaks:
+        _rank_store(store, 0).wipe()
+        _rank_store(store, 1).wipe()
+    if "delete FSx" in breaks:
+        shutil.rmtree(cfg.checkpoint_dir)
+
+    rolled = run_harness("rollback-6", cfg, token_dir, store)
+
+    resume = read_events(cfg.run_dir, "resume")[-1]
+    assert (resume["source"], resume["step"], resume["at_most"]) == (source, 6, 6), rolled["log"][-3000:]
+    assert rolled["step"] == 6 and rolled["last_loss"] == losses[6]
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step-000006"]
+    assert {o["Key"].split("/")[2] for o in s3.list_objects_v2(Bucket=BUCKET)["Contents"]} == {"step-000006"}
+    for rank in (0, 1):
+        assert all(step <= 6 for step in _rank_store(store, rank).own_steps() + _rank_store(store, rank).replica_steps())
+
+
 def test_a_start_that_finds_no_valid_copy_initialises_as_a_fresh_run(trained, token_dir, training_config,
                                                                      tmp_path):
     """A copy in sight (here a corrupt FSx checkpoint) makes a start build the model on the meta device and

@@ -150,3 +150,32 @@ def test_save_drills_parse_and_fire_once_at_their_point(tmp_path):
     finally:
         module.os.kill = real_kill
     assert len(killed) == 1 and killed[0][0] == os.getpid()
+
+
+def test_a_state_holding_a_nan_is_never_committed_and_a_finite_one_records_the_check(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from trainer.checkpoint.manager import NonFiniteState
+    from trainer.run.events import read_events
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        directory = tmp_path / "run" / "checkpoints"
+        manager = _manager(directory, keep_last=3)
+        state = {"model": {"w": torch.ones(4), "b": torch.zeros(2)}, "trainer": {"step": torch.tensor(1)}}
+        assert manager.save(1, lambda: state, last=True)
+        manager.wait()
+        [(_, folder)] = committed_checkpoints(directory)
+        assert verify_checkpoint(folder).manifest["finite_check"] == {"ranks": 1, "tensors": 2, "finite": True}
+
+        state["model"]["w"][2] = float("nan")
+        assert not manager.save(2, lambda: state, last=True)
+        assert [step for step, _ in committed_checkpoints(directory)] == [1] and not list(directory.glob("*.tmp"))
+        [refused] = read_events(tmp_path / "run", "checkpoint_refused")
+        assert refused["step"] == 2 and refused["ranks"] == {"0": 1}
+        with pytest.raises(NonFiniteState, match="step 3.*NaN or infinity"):
+            manager.save_final(3, lambda: state)
+        manager.close()
+    finally:
+        dist.destroy_process_group()

@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.backends import FailedWrite, PendingWrite, forget_cached_save_plans
 from trainer.checkpoint.costs import SaveCosts
-from trainer.checkpoint.format import fsync_dir, step_dir_name, write_manifest
+from trainer.checkpoint.format import committed_checkpoints, fsync_dir, step_dir_name, write_manifest
+from trainer.checkpoint.state_bytes import flatten
 from trainer.checkpoint.retention import Retention
 from trainer.checkpoint.s3_tier import S3Tier, S3TierError
 from trainer.config import CheckpointConfig
@@ -54,6 +55,7 @@ class _InFlight:
     started: float
     blocking_seconds: float
     fault_key: str | None = None  # a writer-crash drill armed on this rank for this save
+    finite_check: dict[str, Any] | None = None  # what the manifest records of the ranks' check of their shards
 
 
 class FsxSaves:
@@ -71,12 +73,16 @@ class FsxSaves:
         self._metadata, self._events, self._costs, self._retention = metadata, events, costs, retention
         self._s3, self._save_point, self._fence = s3, save_point, fence
         self.last_saved_step: int | None = None  # the newest save started (and not failed), or resumed from
+        self.refused_step: int | None = None  # the newest save refused: its state held NaN or infinity
         self._in_flight: _InFlight | None = None
         self._commits = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit") if rank == 0 else None
         self._commit_future: Future | None = None
         self._uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-s3") if rank == 0 else None
         self._upload_futures: list[Future] = []
         self._uploading: set[Path] = set()  # kept by retention until sent
+        # kept by retention, beside keep_last: the newest checkpoint before an open numeric episode (replaced
+        # whole, never mutated: the commit thread reads it)
+        self.pinned: frozenset[Path] = frozenset()
         self._commit_count = 0
 
     @property
@@ -96,9 +102,15 @@ class FsxSaves:
             staging.mkdir(parents=True)
         self._record_stall(wait=True)  # the last save's reduction completed long ago: its record, if not yet
         barrier_from = time.perf_counter()
-        dist.barrier()
+        finite_check = self._finite_check(step, state)  # a collective: it is the save's barrier
         started = time.perf_counter()
         barrier_seconds = started - barrier_from
+        if finite_check is None:
+            self.refused_step = step
+            if self._rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)
+            return {"previous_save_seconds": previous_save_seconds, "barrier_seconds": barrier_seconds,
+                    "handoff_seconds": 0.0, "refused": True}
         fault_key = self._save_point("write", step)  # the checkpoint_writer_crash drill: this write fails
         try:
             write = self._backend.start(state, staging, fail_with=fault_key)
@@ -106,12 +118,36 @@ class FsxSaves:
             write = FailedWrite(err)
         blocking = time.perf_counter() - started
         self._save_point("shard_write", step)  # async: the shards are being written right now
-        self._in_flight = _InFlight(step, staging, write, started, blocking, fault_key)
+        self._in_flight = _InFlight(step, staging, write, started, blocking, fault_key, finite_check)
         self.last_saved_step = step
         if self._cfg.mode == "sync":
             self._finish_in_flight()
         return {"previous_save_seconds": previous_save_seconds, "barrier_seconds": barrier_seconds,
                 "handoff_seconds": blocking}
+
+    def _finite_check(self, step: int, state: dict[str, Any]) -> dict[str, Any] | None:
+        """Every rank checks its own shards in memory, before anything is written: what the manifest records,
+        or None when a rank holds a NaN or an infinity (the save is refused: a checkpoint with one is never
+        committed, so no resume and no rollback can take it up). One all-gather of a count per rank."""
+        paths, flags = [], []
+        for path, value in flatten(state):
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                paths.append(".".join(map(str, path)))
+                flags.append(torch.logical_not(torch.isfinite(value)).any())
+        bad = torch.stack(flags).to(self._device) if flags else torch.zeros(0, dtype=torch.bool, device=self._device)
+        counts = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, bad.sum().reshape(1).to(torch.int64))
+        counts = [int(c) for c in counts]
+        if not any(counts):
+            return {"ranks": len(counts), "tensors": len(flags), "finite": True}
+        mine = [p for p, b in zip(paths, bad.tolist()) if b]
+        if mine:
+            log.error("checkpoint step %d refused: this rank's %s hold(s) NaN or infinity%s", step,
+                      ", ".join(mine[:5]), f" (and {len(mine) - 5} more)" if len(mine) > 5 else "")
+        if self._rank == 0:
+            self._events.write("checkpoint_refused", step=step, why="non-finite values",
+                               ranks={rank: count for rank, count in enumerate(counts) if count})
+        return None
 
     def reduce_stall(self, step: int, stall: dict[str, Any]) -> None:
         """Collective, asynchronous: this rank's figures of the save just handed off (the loop's wait for it),
@@ -171,7 +207,31 @@ class FsxSaves:
             if wait:
                 # What was kept for uploads, or left by a retention a crash cut short with nothing committed
                 # since (a resume from memory may need no new FSx save before the end).
-                self._retention.apply(self.last_saved_step or 0, self._uploading)
+                self._retention.apply(self.last_saved_step or 0, self._uploading | self.pinned)
+
+    def pin(self, step: int | None) -> None:
+        self.pinned = frozenset() if step is None else frozenset({self._directory / step_dir_name(step)})
+
+    def newest_committed_at_or_before(self, step: int) -> int | None:
+        return max((found for found, _ in committed_checkpoints(self._directory) if found <= step), default=None)
+
+    def drop_after(self, step: int) -> list[int]:
+        """Rank 0, no save in flight: the committed checkpoints after `step` leave FSx and S3 (an abandoned
+        branch: trainer.job.numeric_recovery); the uploads already handed over finish first, so none lands
+        after. Returns the steps dropped."""
+        if self._fence is not None:
+            self._fence.check()  # a superseded trainer deletes nothing
+        for future in self._upload_futures:
+            future.result()  # each catches its own S3 errors
+        dropped = [found for found, folder in committed_checkpoints(self._directory) if found > step]
+        for found in dropped:
+            shutil.rmtree(self._directory / step_dir_name(found))
+        if dropped:
+            fsync_dir(self._directory)
+        if self._s3 is not None:
+            self._s3.delete_after(step)
+        self.last_saved_step = min(self.last_saved_step or 0, step) or None
+        return dropped
 
     def _finish_in_flight(self) -> None:
         flight, self._in_flight = self._in_flight, None
@@ -216,7 +276,8 @@ class FsxSaves:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._cfg.background_nice)
         started = time.perf_counter()
         self._save_point("before_manifest", flight.step)
-        manifest = write_manifest(flight.staging, flight.step, self._metadata)  # fsyncs the folder's entries
+        manifest = write_manifest(flight.staging, flight.step,  # fsyncs the folder's entries
+                                  {**self._metadata, "finite_check": flight.finite_check})
         self._save_point("before_rename", flight.step)
         final = self._directory / step_dir_name(flight.step)
         replaced = None
@@ -245,7 +306,7 @@ class FsxSaves:
         if self._s3 is not None and self._commit_count % self._cfg.s3_every == 0:
             self._uploading.add(final)
             self._upload_futures.append(self._uploads.submit(self._upload, final, flight.step))
-        self._retention.apply(flight.step, self._uploading)
+        self._retention.apply(flight.step, self._uploading | self.pinned)
 
     def _upload(self, folder: Path, step: int) -> None:
         try:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from trainer.env import REPLICA_GROUP_ENV
 from trainer.checkpoint.backends import make_backend
@@ -40,6 +41,10 @@ def _no_hook(point: str, step: int) -> str | None:
     return None
 
 
+class NonFiniteState(RuntimeError):
+    """The state to save holds NaN or infinity: it is not committed."""
+
+
 class CheckpointManager:
     """Public: save, load_latest, wait, close (each called on every rank: they are collective). `memory` is
     the node-memory tier and `s3` the S3 tier (None when off); `save_point(point, step)` is called at each
@@ -53,7 +58,7 @@ class CheckpointManager:
                  s3: S3Tier | None = None, save_point: Callable[[str, int], str | None] = _no_hook, fence=None,
                  prefetch=None, phase: Callable[[str], Any] | None = None,
                  writes_shared: Callable[[], bool] = lambda: True):
-        self._cfg, self._events = cfg, events
+        self._cfg, self._events, self._rank = cfg, events, rank
         # With replica groups, one group writes the job's FSx checkpoint (the same on every rank of a group:
         # trainer.resilience.replica_groups); the others keep their node-memory copies only.
         self._writes_shared = writes_shared
@@ -110,6 +115,8 @@ class CheckpointManager:
             self.costs.loop_waited(time.perf_counter() - entered)
             return False
         waits = self._saves.start(step, state if state is not None else state_fn())
+        if waits.get("refused"):  # non-finite state: nothing written (checkpoint_refused names the ranks)
+            return False
         # The stall a save costs the loop is all of this, not the hand-off alone: waiting for the previous save
         # and its commit, the barrier, the hand-off (sync: the whole write), and the waits since the last save.
         stall = self.costs.fsx_save_started(step, time.perf_counter() - entered, waits["previous_save_seconds"])
@@ -137,6 +144,12 @@ class CheckpointManager:
         self.wait()
         if self.enabled and not self._writes_shared():
             return
+        if self.enabled and self._saves.refused_step == step:
+            raise NonFiniteState(f"the final checkpoint (step {step}) was refused: the state holds NaN or infinity "
+                                 "(the checkpoint_refused event names the ranks, train.log the tensors), and nothing "
+                                 "non-finite is ever committed: the newest finite checkpoint stands. The weights "
+                                 "diverged; resilience.numeric_checks (on by default) stops a non-finite step "
+                                 "before it is applied")
         if self.enabled and self._saves.last_saved_step != step:
             log.warning("the final checkpoint (step %d) failed; saving it again", step)
             self.save(step, state_fn, last=True)
@@ -145,6 +158,29 @@ class CheckpointManager:
                 raise RuntimeError(f"the final checkpoint (step {step}) failed twice; see the checkpoint_failed events")
         if self.enabled:
             self._saves.record_last_costs()
+
+    def pin(self, step: int | None) -> None:
+        """Retention keeps FSx's checkpoint of `step` beside keep_last until pinned again (None: nothing kept)."""
+        if self._saves is not None:
+            self._saves.pin(step)
+
+    def newest_committed_at_or_before(self, step: int) -> int | None:
+        """The newest committed FSx checkpoint's step not after `step` (a listing: not verified)."""
+        return self._saves.newest_committed_at_or_before(step) if self._saves is not None else None
+
+    def drop_after(self, step: int) -> None:
+        """Collective, no save in flight (wait): every copy of a step after `step` leaves every tier — an
+        abandoned branch (trainer.job.numeric_recovery), which no later resume may take up."""
+        if not self.enabled:
+            return
+        if self._memory is not None:
+            self._memory.drop_after(step)
+        if self._rank == 0 and self._writes_shared():
+            dropped = self._saves.drop_after(step)
+            if dropped:
+                log.warning("checkpoints of steps %s dropped: they came after step %d, where training went back to",
+                            dropped, step)
+        dist.barrier()
 
     def wait(self) -> None:
         """Finish the save in flight and its commit (not the S3 uploads: see close)."""
@@ -161,12 +197,13 @@ class CheckpointManager:
 
     # -- loading -----------------------------------------------------------------------------------
 
-    def load_latest(self, state: dict[str, Any]) -> tuple[int, str]:
-        """Collective: fill `state` in place from the newest valid copy and say where it came from (memory,
-        peer, disk, s3, or none: step 0, state untouched; trainer.checkpoint.resume)."""
-        if not self._cfg.resume or not self.enabled:
+    def load_latest(self, state: dict[str, Any], at_most: int | None = None) -> tuple[int, str]:
+        """Collective: fill `state` in place from the newest valid copy (not after step `at_most`: a rollback)
+        and say where it came from (memory, peer, disk, s3, or none: step 0, state untouched;
+        trainer.checkpoint.resume)."""
+        if not self.enabled or (not self._cfg.resume and at_most is None):
             return 0, "none"
-        step, source, saved_step = self._resume.load_latest(state)
+        step, source, saved_step = self._resume.load_latest(state, at_most)
         if source != "none":
             self._saves.last_saved_step = saved_step
         return step, source

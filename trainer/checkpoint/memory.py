@@ -66,8 +66,10 @@ class MemoryTier:
 
     # -- recovery ------------------------------------------------------------------------------------
 
-    def restore_newest(self, state: dict[str, Any], newer_than: int = -1) -> tuple[int, str] | None:
-        """Collective: fill `state` from the newest step after `newer_than` that every rank can restore, from
+    def restore_newest(self, state: dict[str, Any], newer_than: int = -1,
+                       at_most: int | None = None) -> tuple[int, str] | None:
+        """Collective: fill `state` from the newest step after `newer_than` (and not after `at_most`) that every
+        rank can restore, from
         its own node memory or from the peer holding its replica, and say which ("memory", or "peer" when
         some rank needed its peer). None when there is none (state untouched: the caller goes to FSx).
 
@@ -78,7 +80,8 @@ class MemoryTier:
         dist.all_gather_object(gathered, (self.store.own_steps(), self.store.replica_steps()))
         holder_of = {r: (r + self.ranks_per_node) % self.world_size for r in range(self.world_size)}
         candidates = set().union(*(set(own) | set(held) for own, held in gathered))
-        for step in sorted((s for s in candidates if s > newer_than), reverse=True):
+        for step in sorted((s for s in candidates if s > newer_than and (at_most is None or s <= at_most)),
+                           reverse=True):
             if all(step in gathered[r][0] or (self.holder is not None and step in gathered[holder_of[r]][1])
                    for r in range(self.world_size)):
                 source = self.restore(step, state)
@@ -132,6 +135,13 @@ class MemoryTier:
                         self.rank, received.step if received else None, self.holder)
             return received
         return own
+
+    def drop_after(self, step: int) -> None:
+        """This rank's copies and the replica it holds, of every step after `step`, are gone."""
+        if self.replicator is not None:
+            self.replicator.wait()  # no round still sends a copy of the abandoned branch
+        self.store.drop_after(step)
+        self.last_saved_step = None
 
     def close(self, wait: bool = True) -> None:
         """wait=False after a fault: a replica round in flight is dropped (the peer may be gone)."""

@@ -183,6 +183,12 @@ class SlotPair:
         slot.commit(meta)
         return StoredCopy(int(meta["step"]), meta, buffer)
 
+    def drop_after(self, step: int) -> None:
+        """Empty the slots holding a step after `step` (an abandoned branch: trainer.job.numeric_recovery)."""
+        for slot in self.slots:
+            if (slot.read_meta() or {}).get("step", -1) > step:
+                slot.begin_write()
+
     def corrupt_newest(self) -> None:
         """Flip a byte of the newest copy's data (the corrupt_memory drill): its checksum no longer matches."""
         newest = max(self.slots, key=lambda slot: (slot.read_meta() or {}).get("step", -1))
@@ -245,6 +251,11 @@ class RankStore:
     def own_copies(self) -> dict[int, StoredCopy]:
         """Every verified copy of this rank's own (both slots hashed)."""
         return {step: copy for step in self.own_steps() if (copy := self.own_copy(step)) is not None}
+
+    def drop_after(self, step: int) -> None:
+        self.own.drop_after(step)
+        if self.replica is not None:
+            self.replica.drop_after(step)
 
     def wipe(self) -> None:
         """Everything this node holds (a node loss: drills and tests)."""

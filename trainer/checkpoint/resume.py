@@ -36,13 +36,16 @@ class ResumeChoice:
         self._directory, self._rank, self._events = Path(directory), rank, events
         self._memory, self._s3, self._prefetch = memory, s3, prefetch
         self._phase = phase or (lambda tier: nullcontext())
+        self._at_most: int | None = None  # the load in progress takes no later step (a rollback)
 
-    def load_latest(self, state: dict[str, Any]) -> tuple[int, str, int | None]:
+    def load_latest(self, state: dict[str, Any], at_most: int | None = None) -> tuple[int, str, int | None]:
         """Fill `state` from the newest valid copy: (step, source, the newest FSx checkpoint's step to count as
         saved). source: "memory" (every rank's node memory), "peer" (some rank's copy came from its peer's
         replica), "disk" (the newest FSx checkpoint that verifies), "s3" (a copy downloaded because nothing
-        nearer is as new), or "none" (step 0, state untouched). Rank 0 records a `resume` event either way."""
+        nearer is as new), or "none" (step 0, state untouched). Rank 0 records a `resume` event either way.
+        at_most: no copy of a later step is taken (a rollback: trainer.job.numeric_recovery)."""
         rejected: set[Path] = set()  # FSx folders that failed verification while loading: never tried again
+        self._at_most = at_most
         while (resumed := self._load_newest(state, rejected)) is None:
             pass
         return resumed
@@ -51,14 +54,16 @@ class ResumeChoice:
         """One attempt; None when the FSx checkpoint chosen did not verify (now in `rejected`)."""
         newest_committed = self._newest_committed_step()
         path = disk_step = None
+        at_most = self._at_most
         if self._memory is not None:
             # Memory wins unless FSx holds something newer that verifies (FSx is hashed only then).
             with self._phase("restore_memory"):
-                found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1)
+                found = self._memory.restore_newest(state, newer_than=(newest_committed or 0) - 1, at_most=at_most)
             if found is None and newest_committed is not None:
                 path, disk_step = self._find_latest(rejected)
                 with self._phase("restore_memory"):
-                    found = self._memory.restore_newest(state, newer_than=disk_step - 1 if path is not None else -1)
+                    found = self._memory.restore_newest(state, newer_than=disk_step - 1 if path is not None else -1,
+                                                        at_most=at_most)
             if found is not None:
                 return self._resumed(*found, None, disk_step if path is not None else newest_committed)
         if path is None:
@@ -88,7 +93,8 @@ class ResumeChoice:
 
     def _resumed(self, step: int, source: str, path: Path | None, saved_step: int | None) -> tuple[int, str, int | None]:
         if self._rank == 0:
-            self._events.write("resume", step=step, source=source, path=str(path) if path is not None else None)
+            self._events.write("resume", step=step, source=source, path=str(path) if path is not None else None,
+                               **({"at_most": self._at_most} if self._at_most is not None else {}))
         return step, source, saved_step
 
     def _fetch_from_s3(self, newer_than: int | None) -> tuple[Path, int] | None:
@@ -97,7 +103,7 @@ class ResumeChoice:
         choice: list = [None, None]
         if self._rank == 0:
             self._directory.mkdir(parents=True, exist_ok=True)
-            found = self._s3.restore_newest(self._directory, newer_than)
+            found = self._s3.restore_newest(self._directory, newer_than, self._at_most)
             if found is not None:
                 choice = [str(found[0]), found[1]]
         dist.broadcast_object_list(choice, src=0)
@@ -105,7 +111,8 @@ class ResumeChoice:
 
     def _newest_committed_step(self) -> int | None:
         """The step of the newest committed folder, unverified (cheap: a directory listing)."""
-        found = committed_checkpoints(self._directory) if self._rank == 0 else []
+        found = [(step, folder) for step, folder in committed_checkpoints(self._directory)
+                 if self._at_most is None or step <= self._at_most] if self._rank == 0 else []
         choice = [found[-1][0] if found else None]
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
@@ -113,7 +120,10 @@ class ResumeChoice:
     def _find_latest(self, rejected: set[Path]) -> tuple[Path | None, int | None]:
         """The newest checkpoint not in `rejected` whose files have their manifest's sizes, and its step
         ((None, None): none). The load itself checks the content hashes."""
-        found = latest_valid_checkpoint(self._directory, hash_files=False, exclude=rejected) if self._rank == 0 else None
+        later = {folder for step, folder in committed_checkpoints(self._directory)
+                 if self._at_most is not None and step > self._at_most} if self._rank == 0 else set()
+        found = (latest_valid_checkpoint(self._directory, hash_files=False, exclude=rejected | later)
+                 if self._rank == 0 else None)
         choice = [str(found.path) if found else None, int(found.manifest["step"]) if found else None]
         dist.broadcast_object_list(choice, src=0)
         if choice[0] is None:

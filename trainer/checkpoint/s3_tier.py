@@ -94,19 +94,32 @@ class S3Tier:
             raise S3TierError(f"reading s3://{self.bucket}/{key} failed: {err}") from err
 
     def retain(self, keep_last: int) -> None:
-        """Delete all but the newest keep_last complete copies (each: manifest first, then the rest)."""
+        """Delete all but the newest keep_last complete copies."""
         for step in self.steps()[:-keep_last]:
-            keys = [item["Key"] for page in self._s3().get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self._key(step)) for item in page.get("Contents", [])]
-            manifest = self._key(step, MANIFEST)
-            for key in [k for k in keys if k == manifest] + [k for k in keys if k != manifest]:
-                self._s3().delete_object(Bucket=self.bucket, Key=key)
-            log.info("S3 tier: deleted %s/%s/", self.uri, step_dir_name(step))
+            self._delete(step)
 
-    def restore_newest(self, directory: Path, newer_than: int | None) -> tuple[Path, int] | None:
-        """Download the newest copy newer than `newer_than` that verifies into directory/step-N; None when
-        there is none. Copies that do not verify are logged and skipped."""
+    def delete_after(self, step: int) -> None:
+        """Delete the copies after `step` (an abandoned branch: trainer.job.numeric_recovery)."""
+        for found in self.steps():
+            if found > step:
+                self._delete(found)
+
+    def _delete(self, step: int) -> None:
+        """One copy, its manifest first: a copy without it is incomplete to every reader."""
+        keys = [item["Key"] for page in self._s3().get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._key(step)) for item in page.get("Contents", [])]
+        manifest = self._key(step, MANIFEST)
+        for key in [k for k in keys if k == manifest] + [k for k in keys if k != manifest]:
+            self._s3().delete_object(Bucket=self.bucket, Key=key)
+        log.info("S3 tier: deleted %s/%s/", self.uri, step_dir_name(step))
+
+    def restore_newest(self, directory: Path, newer_than: int | None,
+                       at_most: int | None = None) -> tuple[Path, int] | None:
+        """Download the newest copy newer than `newer_than` (and not after `at_most`) that verifies into
+        directory/step-N; None when there is none. Copies that do not verify are logged and skipped."""
         for step in reversed(self.steps()):
+            if at_most is not None and step > at_most:
+                continue
             if newer_than is not None and step <= newer_than:
                 return None
             staging = directory / (step_dir_name(step) + ".tmp")
