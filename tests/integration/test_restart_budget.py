@@ -79,3 +79,24 @@ def test_in_process_restarts_escalate_then_the_job_gives_up(tmp_path, token_dir,
     assert layers == ["first_start", "in_process", "in_process", "ft_launcher", "in_process", "in_process"], layers
     assert [a.escalated for a in attempts] == [False, False, True, False, False, False]
     assert gave_up["streak"] == 3
+
+
+def test_a_deterministic_bug_stops_the_job_at_its_second_occurrence_with_its_frame(tmp_path, token_dir,
+                                                                                   training_config):
+    """bug@6: the same exception at the same line before step 6 on every attempt. The first is a transient
+    fault as far as anyone can tell (restart); the second is the same failure again: deterministic, stop —
+    after 2 attempts, where the budget by progress alone would take 4 (max_restarts_without_progress=3)."""
+    cfg = training_config(tmp_path, "bug", "--training.num_steps=12", *FAST, "--faults.schedule=bug@6")
+    message, gave_up, attempts = _crash_loop(cfg, token_dir)
+
+    assert len(attempts) == 2 and [a.resumed_step for a in attempts] == [0, 5]
+    assert gave_up["layer"] == "decision" and gave_up["cause"] == "deterministic"
+    assert gave_up["frame"]["file"] == "trainer/resilience/faults.py" and gave_up["frame"]["function"] == "_fire"
+    assert "raise InjectedBug" in gave_up["traceback"]
+    failures = [f for f in read_events(cfg.run_dir, "rank_failed") if f.get("rank") == 0]
+    assert [(f["cause"], f["decision"]) for f in failures] == [("transient", "restart"), ("deterministic", "stop")]
+    assert failures[0]["fingerprint"] == failures[1]["fingerprint"]
+    [recovery] = read_events(cfg.run_dir, "recovery") or [None]
+    assert recovery is None or recovery["decision"] == "restart"
+    for part in ("stopped by cause: InjectedBug", "trainer/resilience/faults.py", "at step 5", "deterministic=stop"):
+        assert part in message, (part, message)

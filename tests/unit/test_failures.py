@@ -6,9 +6,12 @@ import time
 
 import pytest
 
+from trainer.config.decisions import parse_decisions
 from trainer.config.drills import DEFAULT_STARTUP_TIMEOUTS, parse_startup_timeouts
+from trainer.resilience.decisions import classify
 from trainer.resilience.failures import explain_restarts, handled_fault_keys, is_lost_peer, record_failure
 from trainer.resilience.phases import PhaseWatchdog
+from trainer.env import BUDGET_SINCE_ENV
 from trainer.run.events import EventLog, read_events
 
 GLOO_PEER_GONE = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -121,3 +124,62 @@ def test_a_fault_is_handled_once_a_recovery_names_it_or_it_was_absorbed(tmp_path
     assert handled_fault_keys(read_events(tmp_path)) == {named, absorbed, crashed}
     [found] = explain_restarts(tmp_path, time.time() + 1, world_size=1)
     assert found["first_failure"] == "raised InjectedFault after step 8 (drill exception@8:rank=0)"
+
+
+def test_a_failure_records_its_frame_and_the_same_one_again_is_deterministic_and_stops(tmp_path, monkeypatch):
+    monkeypatch.setenv(BUDGET_SINCE_ENV, "0")
+
+    def fail():
+        raise KeyError("tokens.json has no 'corpus'")
+
+    for attempt in range(2):
+        try:
+            fail()
+        except KeyError as err:
+            record = record_failure(tmp_path, 1, err, "train", 7)
+        assert record["frame"]["function"] == "fail" and record["frame"]["file"].endswith("test_failures.py")
+        assert "raise KeyError" in record["traceback"]
+    first, second = [r for r in read_events(tmp_path, "rank_failed")]
+    assert (first["cause"], first["decision"]) == ("transient", "restart")
+    assert (second["cause"], second["decision"]) == ("deterministic", "stop")
+    [found] = explain_restarts(tmp_path, time.time() + 1, world_size=2)
+    assert (found["decision"], found["decided_cause"]) == ("restart", "transient")  # the first failure's
+
+
+@pytest.mark.parametrize("record, gpu, cause", [
+    ({"message": "CUDA error: uncorrectable ECC error encountered", "error_type": "RuntimeError"}, None, "hardware"),
+    ({"message": "bad", "error_type": "RuntimeError"}, {"node_bad": True, "node_bad_xids": [94]}, "hardware"),
+    ({"message": "Connection closed by peer", "error_type": "DistBackendError", "secondary": True}, None, "lost_peer"),
+    ({"message": "injected exception", "error_type": "InjectedFault"}, None, "transient"),
+])
+def test_the_rules_of_the_table(record, gpu, cause):
+    assert classify({**record, "fingerprint": "f"}, False, gpu)[0] == cause
+    assert classify({**record, "fingerprint": "f"}, True, gpu)[0] == (cause if cause != "transient" or
+                                                                      record["error_type"] == "InjectedFault"
+                                                                      else "deterministic")
+
+
+@pytest.mark.parametrize("text, error", [("deterministic=restart,hardware=restart", None),
+                                         ("oom=stop", "CAUSE one of"), ("transient=rollback", "only data"),
+                                         ("data=restart", "rolled back or stops"), ("hardware=reboot", "one of")])
+def test_the_decisions_a_user_overrides(text, error):
+    if error is None:
+        assert parse_decisions(text) == {"hardware": "restart", "lost_peer": "restart", "deterministic": "restart",
+                                         "data": "rollback", "transient": "restart"}
+    else:
+        with pytest.raises(ValueError, match=error):
+            parse_decisions(text)
+
+
+def test_the_oom_killers_count_is_read_from_the_cgroup_and_folded_per_node(tmp_path):
+    from trainer.observe.memory import oom_kills
+    from trainer.run.history import ControlState
+
+    v2, v1 = tmp_path / "memory.events", tmp_path / "memory.oom_control"
+    v2.write_text("low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n")
+    v1.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert oom_kills((v2, v1)) == 2 and oom_kills((tmp_path / "absent", v1)) == 5
+    assert oom_kills((tmp_path / "absent",)) is None
+    state = ControlState().fold([{"event": "node_oom_kills", "time": 1.0, "node": "pod-3", "oom_kill": 2, "new": 0},
+                                 {"event": "node_oom_kills", "time": 2.0, "node": "pod-3", "oom_kill": 3, "new": 1}])
+    assert state.oom_kills == {"pod-3": 3}

@@ -29,7 +29,9 @@ from trainer.config.rules import InputError
 from trainer.env import CRASH_LOOP_EXIT_CODE
 from trainer.job.trainer import Trainer
 from trainer.observe import logs
+from trainer.config.decisions import parse_decisions
 from trainer.resilience.budget import EscalateToLauncher, RestartBudgetExhausted
+from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
 from trainer.resilience.failures import record_failure, record_sigterm
 from trainer.resilience.in_process import InProcessAttempt, run_with_in_process_restart
 from trainer.resilience.phases import current_phase
@@ -43,6 +45,31 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", required=True, help="YAML config path or bundled name (e.g. local)")
     parser.add_argument("--data-dir", required=True, type=Path, help="folder with token shards (tokens.json)")
     return parser.parse_known_args(argv)
+
+
+def _gpu_health(trainer: Trainer | None) -> dict | None:
+    """NVML's report now, where a GPU is watched: evidence of a hardware fault (None otherwise)."""
+    health = trainer.resilience.gpu_health if trainer is not None else None
+    if health is None or not health.enabled:
+        return None
+    try:
+        return health.check(trainer.step)
+    except Exception:  # noqa: BLE001 - evidence only: the failure being recorded matters more
+        log.exception("NVML could not be read for the failure's evidence")
+        return None
+
+
+def act_on(failure: dict, budget) -> None:
+    """The decision on a failure's cause (trainer.resilience.decisions): stop ends the launch; replace_node takes
+    this node out through the node-replacement path; restart (and a rollback, decided in the step) lets the
+    exception reach the launcher as before."""
+    if failure["decision"] == "stop" and budget is not None:
+        budget.stop(failure)
+    if failure["decision"] == "replace_node":
+        why = f"{failure['cause']}: {failure['evidence']}"
+        if in_a_node_of_many():
+            kill_this_node(why)
+        log.error("%s, but this rank is not on a node of a multi-node job: restarting instead", why)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
             finished = True
         except Exception as err:  # the rank's own record of how it failed (trainer.resilience.failures)
-            record_failure(cfg.run_dir, rank, err, current_phase(), trainer.step if trainer is not None else None)
+            failure = record_failure(cfg.run_dir, rank, err, current_phase(), trainer.step if trainer is not None
+                                     else None, parse_decisions(cfg.resilience.decisions), _gpu_health(trainer))
+            if failure is not None:
+                act_on(failure, trainer.restart_budget if trainer is not None else None)
             raise
         finally:
             if trainer is not None:

@@ -15,6 +15,24 @@ def _status(field: str) -> int:
     return 0
 
 
+CGROUP_MEMORY_EVENTS = (Path("/sys/fs/cgroup/memory.events"),  # cgroup v2: a pod's, a container's
+                        Path("/sys/fs/cgroup/memory/memory.oom_control"))  # cgroup v1
+
+
+def oom_kills(files: tuple[Path, ...] = CGROUP_MEMORY_EVENTS) -> int | None:
+    """How many processes the kernel's OOM killer has ended in this cgroup (the node's pod on EKS) so far; None
+    where no cgroup says (the counter is the kernel's, readable without privileges)."""
+    for path in files:
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def reset_peak() -> int:
     """Reset the peak to now; the current RSS in bytes (0 where /proc is not Linux's)."""
     try:

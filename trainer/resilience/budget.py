@@ -170,6 +170,17 @@ def give_up_message(attempts: list[Attempt], current_step: int | None, streak: i
             f"{train_log}), then run the step again: a new launch starts with a full budget.")
 
 
+def rollback_streak(anomaly_steps: list[int]) -> int:
+    """Rollbacks in a row without progress, newest last: each one's anomaly at a step no later than the one
+    before it's (training never got past where it last went wrong); 1 for a rollback after progress."""
+    streak = 1 if anomaly_steps else 0
+    for newer, older in zip(reversed(anomaly_steps), list(reversed(anomaly_steps))[1:]):
+        if newer > older:
+            break
+        streak += 1
+    return streak
+
+
 class RestartBudget:
     """The no-progress rule inside one training attempt; collective (every rank calls the same methods)."""
 
@@ -222,6 +233,62 @@ class RestartBudget:
         if kind == "escalate":
             raise EscalateToLauncher(message)
         raise RestartBudgetExhausted(message)
+
+    def give_up(self, message: str, **fields: Any) -> None:
+        """End the launch now (a decision, not a count): gave_up.json, which the launcher watches for, and
+        RestartBudgetExhausted on this rank."""
+        record = {"time": time.time(), "generation": self.generation, "scope": launch_scope(),
+                  "group": budget_group(), "layer": "decision", "streak": 0, "limit": self.limit, "step": None,
+                  "message": message, "last_fault": None, **fields}
+        check_fence_of_this_process(self.run_dir.path)
+        write_json(self.run_dir.gave_up, record)
+        self._record("gave_up", **{k: v for k, v in record.items() if k not in ("time", "traceback")})
+        log.error("%s", message)
+        raise RestartBudgetExhausted(message)
+
+    def stop(self, failure: dict[str, Any]) -> None:
+        """A failure whose cause's decision is stop (trainer.resilience.decisions): this rank writes gave_up.json,
+        which ends the launch (trainer.launcher watches for it), and raises RestartBudgetExhausted."""
+        frame = failure.get("frame") or {}
+        where = f"{frame.get('file')}:{frame.get('line')} in {frame.get('function')}" if frame else "an unknown frame"
+        at = f"step {failure['step']}" if failure.get("step") is not None else f"start-up phase {failure['phase']}"
+        message = (f"stopped by cause: {failure['error_type']} raised at {where} at {at} on rank {failure['rank']}: "
+                   f"{failure['cause']} ({failure['evidence']}), so a restart would meet it again (resilience."
+                   f"decisions: {failure['cause']}=stop). {failure['message']}. Fix it (the traceback is in "
+                   f"gave_up.json and {self.run_dir.train_log}), then run the step again: a new launch starts afresh.")
+        self.give_up(message, step=failure.get("step"), cause=failure["cause"], frame=frame,
+                     traceback=failure.get("traceback"))
+
+    def rolled_back(self, record: dict[str, Any]) -> None:
+        """Collective. A numeric anomaly was rolled back (trainer.job.numeric_recovery): rank 0 records it, and
+        every rank gives up (RestartBudgetExhausted) once resilience.max_restarts_without_progress rollbacks in a
+        row made no progress."""
+        verdict = None
+        if self.rank == 0:
+            self._record("rollback", **record)
+            rollbacks = self.history.rollbacks
+            streak = rollback_streak([r["anomaly_step"] for r in rollbacks])
+            if streak >= self.limit:
+                steps = ", ".join(f"step {r['anomaly_step']} ({r['anomaly']}, samples [{r['window'][0]}, "
+                                  f"{r['window'][1]}) skipped)" for r in rollbacks[-streak:])
+                message = (f"gave up: {streak} rollbacks in a row without progress (resilience."
+                           f"max_restarts_without_progress={self.limit}): numeric anomalies at {steps}; each came "
+                           "back before training got past the one before it. The data after the windows or the "
+                           "model's settings (lr, warm-up, grad_clip) need a look: see the numeric_anomaly and "
+                           f"rollback events and {self.run_dir.train_log}")
+                gave_up = {"time": time.time(), "generation": self.generation, "scope": launch_scope(),
+                           "group": budget_group(), "layer": "rollback", "streak": streak, "limit": self.limit,
+                           "step": record["reloaded_step"], "message": message, "last_fault": None,
+                           "rollbacks": rollbacks[-streak:]}
+                check_fence_of_this_process(self.run_dir.path)
+                write_json(self.run_dir.gave_up, gave_up)
+                self._record("gave_up", **{k: v for k, v in gave_up.items() if k != "time"})
+                verdict = message
+        verdict = self.broadcast(verdict)
+        if verdict is not None:
+            if self.rank == 0:
+                log.error("%s", verdict)
+            raise RestartBudgetExhausted(verdict)
 
     def _verdict(self, resumed_step: int | None) -> tuple[str, str] | None:
         # The window of this launch scope since the last give-up, trimmed to what a streak can reach; its

@@ -19,13 +19,16 @@ from __future__ import annotations
 import logging
 import re
 import signal
+import traceback
 from pathlib import Path
 from typing import Any
 
+from trainer.config.decisions import parse_decisions
+from trainer.resilience.decisions import classify, fingerprint
 from trainer.run.events import EventLog
-from trainer.run.history import ControlState, control_state, handled_keys
-from trainer.run.run_dir import RunDir
-from trainer.run.tail import read_new_lines
+from trainer.run.history import ControlState, control_state, handled_keys, launched_at_from_environment
+from trainer.run.run_dir import RunDir, read_json
+from trainer.run.tail import read_last_records, read_new_lines
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ _DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKIL
            "partition": "was cut off from the job's network", "flap": "lost its link (one of a flap's cuts)",
            "partition_store": "the rendezvous store was cut off from every node"}
 MESSAGE_CHARS = 300
+TRACEBACK_FRAMES, TRACEBACK_CHARS = 5, 2000  # the traceback's end: where it was raised, and how it got there
 SILENT_RANKS_LISTED = 64  # at 8,192 ranks a whole job can be silent: the list is cut, the count is not
 
 
@@ -52,17 +56,52 @@ def is_lost_peer(error: BaseException) -> bool:
     return type(error).__name__ in _LOST_PEER_TYPES or bool(_LOST_PEER.search(str(error)))
 
 
-def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, step: int | None) -> None:
-    """A rank's own record of the exception it fails with (never raises: the failure itself matters more). A
-    trainer whose run folder belongs to another launch (trainer.run.lease) records nothing there."""
+def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, step: int | None,
+                   decisions: dict[str, str] | None = None, gpu: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A rank's own record of the exception it fails with, with its evidence, cause and decision
+    (trainer.resilience.decisions); the record, or None when none was written (never raises: the failure itself
+    matters more). A trainer whose run folder belongs to another launch (trainer.run.lease) records nothing
+    there. decisions: resilience.decisions parsed; gpu: NVML's health report now (None without NVML)."""
     if type(error).__name__ in ("LeaseLost", "RunFolderBusy"):
-        return
+        return None
     try:
-        EventLog(run_dir, rank).write("rank_failed", how="exception", error_type=type(error).__name__,
-                                      message=" ".join(str(error).split())[:MESSAGE_CHARS], phase=phase, step=step,
-                                      secondary=is_lost_peer(error))
+        frames = traceback.extract_tb(error.__traceback__)
+        frame = ({"file": _short_path(frames[-1].filename), "line": frames[-1].lineno, "function": frames[-1].name}
+                 if frames else None)
+        record = {"how": "exception", "error_type": type(error).__name__,
+                  "message": " ".join(str(error).split())[:MESSAGE_CHARS], "phase": phase, "step": step,
+                  "secondary": is_lost_peer(error), "frame": frame,
+                  "traceback": "".join(traceback.format_list(frames[-TRACEBACK_FRAMES:]))[-TRACEBACK_CHARS:]}
+        record["fingerprint"] = fingerprint(record["error_type"], frame, step, phase)
+        cause, evidence = classify(record, _seen_before(run_dir, record["fingerprint"]), gpu)
+        decision = (decisions or parse_decisions(""))[cause]
+        return EventLog(run_dir, rank).write("rank_failed", **record, cause=cause, evidence=evidence,
+                                             decision=decision)
     except Exception:  # noqa: BLE001 - a full disk must not hide the original error
         log.exception("could not record this rank's failure")
+        return None
+
+
+def _seen_before(run_dir: Path, fingerprint_: str) -> bool:
+    """The same failure recorded earlier in this launch (since its start and the last give-up)."""
+    since = max(launched_at_from_environment() or 0.0, _last_give_up(run_dir))
+    return bool(read_last_records(RunDir(run_dir).failures_log, lambda r: r.get("fingerprint") == fingerprint_
+                                  and r.get("time", 0) >= since, 1))
+
+
+def _last_give_up(run_dir: Path) -> float:
+    gave_up = read_json(RunDir(run_dir).gave_up)
+    return gave_up["time"] if gave_up else 0.0
+
+
+def _short_path(path: str) -> str:
+    """A frame's file from the project's root (or site-packages) on: the same on every node and image."""
+    if "/site-packages/" in path:
+        return path.split("/site-packages/", 1)[1]
+    for room in ("trainer", "components", "pipelines"):
+        if f"/{room}/" in path:
+            return f"{room}/" + path.split(f"/{room}/", 1)[1]
+    return path
 
 
 def record_sigterm(run_dir: Path, rank: int, phase_of) -> None:
@@ -149,4 +188,15 @@ def _explain(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
     cause = (f"rank {rank} failed first: {how}" if rank is not None else how) + others_text
     silent = silent if first is not None else silent[1:]
     return {"cause": cause, "first_failed_rank": rank, "first_failure": how, "secondary_errors": len(others),
-            "silent_ranks": silent[:SILENT_RANKS_LISTED], "silent_rank_count": len(silent)}
+            "silent_ranks": silent[:SILENT_RANKS_LISTED], "silent_rank_count": len(silent),
+            **_decision(records, rank)}
+
+
+def _decision(records: list[dict[str, Any]], rank: int | None) -> dict[str, Any]:
+    """The decision taken on the first failed rank's cause (its own record's: trainer.resilience.decisions);
+    a rank that left none (killed by a signal, a drill, a hang) was restarted as a transient fault."""
+    own = next((e for e in records if e.get("rank") == rank and e.get("decision")), None)
+    if own is not None:
+        return {"decision": own["decision"], "decided_cause": own["cause"], "evidence": own["evidence"]}
+    return {"decision": "restart", "decided_cause": "transient",
+            "evidence": "no exception of its own to judge (a signal, a lost node, a hang or a drill)"}

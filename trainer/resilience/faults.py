@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainer.config.drills import NETWORK_FAULTS, SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
+from trainer.config.drills import NETWORK_FAULTS, NUMERIC_FAULTS, SAVE_FAULTS, STARTUP_HANGS, Fault, parse_schedule
 from trainer.env import NODE_LAUNCHER_PID_ENV
 from trainer.resilience.node_exit import in_a_node_of_many, kill_this_group, kill_this_node
 from trainer.run.history import control_state
@@ -40,6 +40,10 @@ class InjectedFault(RuntimeError):
     """Raised by an injected `exception` fault."""
 
 
+class InjectedBug(RuntimeError):
+    """Raised by a `bug` drill: the same exception at the same line on every attempt (a deterministic error)."""
+
+
 class FaultInjector:
     """Fires this rank's scheduled faults; a no-op when the schedule is empty."""
 
@@ -50,7 +54,8 @@ class FaultInjector:
         fired on this rank under this node's launcher (`straggling_here`): the rank is still slow."""
         mine = [f for f in faults if f.rank == rank and (f.repeat or f.key not in fired_keys)
                 and f.type not in STARTUP_HANGS  # those hang in start-up (trainer.resilience.phases)
-                and f.type not in NETWORK_FAULTS]  # the local runner enacts those (components/train/network.py)
+                and f.type not in NETWORK_FAULTS  # the local runner enacts those (components/train/network.py)
+                and f.type not in NUMERIC_FAULTS]  # they act inside the step (trainer.resilience.numerics)
         self.pending = [f for f in mine if f.type not in SAVE_FAULTS and not f.repeat]
         self.repeating = [f for f in mine if f.repeat]
         self.save_kills = [f for f in mine if f.type in SAVE_FAULTS]
@@ -111,6 +116,8 @@ class FaultInjector:
         log.warning("injecting fault %s after step %d on rank %d", key, step, self.rank)
         if fault.type == "exception":
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
+        if fault.type == "bug":
+            raise InjectedBug(f"injected bug before step {step + 1} on rank {self.rank}")
         if fault.type == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.type == "group_loss":
