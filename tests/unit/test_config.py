@@ -81,7 +81,7 @@ def test_bundled_name_resolves_to_configs_dir():
         (["--training.num_nodes=2", "--training.replica_groups=2", "--faults.schedule=group_loss@5:group=2"],
          "group 2 does not exist"),
         (["--faults.schedule=group_loss@5:rank=1"], "group_loss@STEP:group=G[:permanent]"),
-        (["--faults.schedule=sigkill@5:group=1"], "only it takes :group= and :permanent"),
+        (["--faults.schedule=sigkill@5:group=1"], ":group= is taken only by group_loss and bitflip, :permanent only by group_loss"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):

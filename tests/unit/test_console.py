@@ -138,3 +138,33 @@ def test_replica_group_changes_heals_and_discarded_steps_show_once_each(tmp_path
     assert lines == ["  ! replica groups at step 5: [0] train (out [1], in []): a group failed or was lost",
                      "  ! step 6 discarded by the replica groups: RuntimeError: Connection closed by peer",
                      "  ! replica group 1 healed from group 0 at step 8 (14 MB per rank in 0.2 s)"]
+
+
+def test_a_rollback_and_a_suspected_sdc_show_once_each(tmp_path):
+    out = io.StringIO()
+    progress = TrainingProgress(tmp_path, num_steps=20, out=out)
+    for rank in (0, 1):  # a second record of the same finding is no second line
+        write_event(tmp_path, rank, event="sdc_suspected", step=7, anomaly="nonfinite_grad_norm", ranks=[1], time=1.0)
+    write_event(tmp_path, 0, event="rollback", anomaly_step=10, anomaly="nonfinite_loss", reloaded_step=9,
+                reload_source="memory", lost_steps=0, samples=16, time=2.0)
+    progress.poll()
+    progress.close()
+    assert out.getvalue().splitlines() == [
+        "  ! suspected silent data corruption at step 7 on rank(s) 1: nonfinite_grad_norm, clean when executed "
+        "again; trained on",
+        "  ! nonfinite_loss at step 10, again on the same batch: rolled back to step 9 (memory), 0 steps lost, "
+        "16 samples skipped"]
+
+
+def test_the_numeric_records_are_rows_of_the_recovery_table_with_their_mechanism_and_a_rollback_a_mark():
+    from components.run_metrics import event_record, recovery_row
+
+    rollback = {"event": "rollback", "time": 2.0, "anomaly_step": 10, "anomaly": "nonfinite_loss", "lost_steps": 3,
+                "samples": 16}
+    assert recovery_row(rollback)["mechanism"] == "rollback"
+    assert recovery_row({"event": "sdc_suspected", "step": 7})["mechanism"] == "rerun"
+    assert recovery_row({"event": "data_skipped", "step": 10})["mechanism"] == "skip"
+    assert recovery_row({"event": "recovery", "mechanism": "ft_launcher"})["mechanism"] == "ft_launcher"
+    assert recovery_row({"event": "fault"}) is None
+    assert event_record(rollback, 0) == {"step": 10, "time": 2.0, "rollback": 1, "rollback_lost_steps": 3,
+                                         "samples_skipped_by_rollback": 16}

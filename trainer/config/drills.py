@@ -5,7 +5,7 @@ touched here: trainer.resilience.faults fires the faults, trainer.resilience.pha
     faults.schedule = "partition@40:node=1:seconds=30, flap@80:node=0:times=3, partition_store@120:seconds=5"
     resilience.startup_timeouts = "rendezvous=60,restore_fsx=600"
 
-Loop faults fire after a step; network drills are enacted by the local runner from outside the nodes
+Loop faults fire after a step; numeric drills act inside one (a poisoned batch, a flipped gradient bit); network drills are enacted by the local runner from outside the nodes
 (components/train/network.py) once the run has trained their step; save drills act at one sub-step of a save; start-up hangs hang a rank in one
 start-up phase. A schedule item that could never fire is refused when the schedule is parsed.
 """
@@ -29,7 +29,7 @@ STARTUP_HANGS = {"hang_in_rendezvous": ("rendezvous",), "hang_in_process_group":
                  "hang_in_restore": ("restore_memory", "restore_s3", "restore_fsx", "restore_base"),
                  "hang_in_first_step": ("first_step",)}
 LOOP_FAULTS = ("exception", "hang", "hang_in_collective", "sigkill", "exit", "slow_rank", "node_loss",
-               "corrupt_memory", "straggler", "group_loss")
+               "corrupt_memory", "straggler", "group_loss", "bug")
 # Save drill -> the sub-step of CheckpointManager.save it acts at (the manager calls save_point(point, step)).
 SAVE_KILLS = {"kill_during_shard_write": "shard_write", "kill_before_manifest": "before_manifest",
               "kill_before_rename": "before_rename", "kill_before_parent_fsync": "before_parent_fsync",
@@ -38,13 +38,16 @@ SAVE_FAULTS = {**SAVE_KILLS, "checkpoint_writer_crash": "write"}
 # Sub-steps only rank 0 performs (the commit runs on rank 0's commit thread): a drill there on another rank
 # could never fire.
 RANK_0_SAVE_POINTS = ("before_manifest", "before_rename", "before_parent_fsync", "retention")
+# Act inside the step (trainer.resilience.numerics): a poisoned batch (nan, spike: each time it is trained), one
+# wrong gradient value (sdc: once), one flipped bit of one replica group's parameters (bitflip: once).
+NUMERIC_FAULTS = ("nan", "spike", "sdc", "bitflip")
 # Enacted by the local runner from outside the nodes' network namespaces (local.node_network=netns), not by a rank.
 NETWORK_FAULTS = ("partition", "flap", "partition_store")
-FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS) + NETWORK_FAULTS
+FAULT_TYPES = LOOP_FAULTS + tuple(SAVE_FAULTS) + tuple(STARTUP_HANGS) + NETWORK_FAULTS + NUMERIC_FAULTS
 REPEATABLE = ("exception", "hang", "sigkill", "exit")  # a crash loop: what recurs at the same step
 
 _ITEM = re.compile(r"^(?P<type>[a-z_]+)@(?:(?P<step>\d+)|t=(?P<seconds>\d+(?:\.\d+)?)s?)(?::rank=(?P<rank>\d+))?"
-                   r"(?::group=(?P<group>\d+))?(?P<permanent>:permanent)?(?P<repeat>:repeat)?"
+                   r"(?::group=(?P<group>\d+))?(?::rank=(?P<rank_after>\d+))?(?P<permanent>:permanent)?(?P<repeat>:repeat)?"
                    r"(?::node=(?P<node>\d+))?(?::seconds=(?P<down>\d+(?:\.\d+)?))?(?::times=(?P<times>\d+))?$")
 NETWORK_GRAMMAR = ("partition@STEP:node=K[:seconds=S], flap@STEP:node=K:times=N (N >= 1) or "
                    "partition_store@STEP:seconds=S")
@@ -71,9 +74,11 @@ class Fault:
             return (f"{self.type}@{when}" + (f":node={self.node}" if self.node is not None else "")
                     + (f":seconds={self.down_seconds:g}" if self.down_seconds is not None else "")
                     + (f":times={self.times}" if self.times is not None else ""))
+        if self.type == "bitflip":
+            return f"{self.type}@{when}:group={self.group}:rank={self.rank}"
         if self.group is not None:
             return f"{self.type}@{when}:group={self.group}" + (":permanent" if self.permanent else "")
-        return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat else "")
+        return f"{self.type}@{when}:rank={self.rank}" + (":repeat" if self.repeat and self.type != "bug" else "")
 
 
 def parse_schedule(text: str) -> list[Fault]:
@@ -88,7 +93,7 @@ def parse_schedule(text: str) -> list[Fault]:
                              "(e.g. sigkill@120:rank=1)")
         if match["type"] not in FAULT_TYPES:
             raise ValueError(f"{match['type']!r} in {raw!r} is not one of {list(FAULT_TYPES)}")
-        kind, rank = match["type"], int(match["rank"] or 0)
+        kind, rank = match["type"], int(match["rank"] or match["rank_after"] or 0)
         network = {"node": match["node"], "seconds": match["down"], "times": match["times"]}
         if kind in NETWORK_FAULTS:
             given = {name for name, value in network.items() if value is not None}
@@ -103,11 +108,22 @@ def parse_schedule(text: str) -> list[Fault]:
             continue
         if any(value is not None for value in network.values()):
             raise ValueError(f"{raw!r}: only the network drills take :node=, :seconds= and :times= ({NETWORK_GRAMMAR})")
-        if (kind == "group_loss") != (match["group"] is not None) or (match["permanent"] and kind != "group_loss"):
-            raise ValueError(f"{raw!r}: a replica group's loss is group_loss@STEP:group=G[:permanent], and only it "
-                             "takes :group= and :permanent")
-        if kind == "group_loss" and (match["rank"] or match["seconds"] or match["repeat"]):
+        if kind == "bitflip" and (match["group"] is None or match["seconds"] or match["repeat"] or match["permanent"]):
+            raise ValueError(f"{raw!r}: a bit flip is bitflip@STEP:group=G[:rank=R] (one bit of one parameter of rank R "
+                             "of replica group G, once)")
+        if kind != "bitflip" and ((kind == "group_loss") != (match["group"] is not None)
+                                  or (match["permanent"] and kind != "group_loss")):
+            raise ValueError(f"{raw!r}: a replica group's loss is group_loss@STEP:group=G[:permanent]; "
+                             ":group= is taken only by group_loss and bitflip, :permanent only by group_loss")
+        if kind == "group_loss" and (match["rank"] or match["rank_after"] or match["seconds"] or match["repeat"]):
             raise ValueError(f"{raw!r}: group_loss takes group_loss@STEP:group=G[:permanent] (no rank, time or repeat)")
+        if kind == "bug" and (match["seconds"] or match["repeat"]):
+            raise ValueError(f"{raw!r}: a bug is bug@STEP[:rank=R]: it raises the same exception at the same line on "
+                             "every attempt that is about to train step STEP")
+        if kind in NUMERIC_FAULTS and kind != "bitflip" and (match["seconds"] or match["repeat"] or match["group"]
+                                                             or (kind == "sdc" and not match["rank"])):
+            raise ValueError(f"{raw!r}: a numeric drill is nan@STEP[:rank=R], spike@STEP[:rank=R] or sdc@STEP:rank=R "
+                             "(it acts on a step's batch or gradient)")
         if kind in SAVE_FAULTS and match["seconds"]:
             raise ValueError(f"{raw!r}: a save drill fires at a step's save, so it takes TYPE@STEP")
         if kind in STARTUP_HANGS and match["seconds"]:
@@ -120,7 +136,8 @@ def parse_schedule(text: str) -> list[Fault]:
             raise ValueError(f"{raw!r}: ':repeat' (a crash loop at one step) takes TYPE@STEP with TYPE one of "
                              f"{list(REPEATABLE)}")
         faults.append(Fault(kind, int(match["step"]) if match["step"] else None,
-                            float(match["seconds"]) if match["seconds"] else None, rank, bool(match["repeat"]),
+                            float(match["seconds"]) if match["seconds"] else None, rank,
+                            bool(match["repeat"]) or kind == "bug",
                             int(match["group"]) if match["group"] is not None else None, bool(match["permanent"])))
     return faults
 

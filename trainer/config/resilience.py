@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from trainer.config.drills import FAULT_TYPES, NETWORK_FAULTS, parse_schedule, parse_startup_timeouts
+from trainer.config.decisions import parse_decisions
 from trainer.config.rules import ConfigError, require
 
 
@@ -113,6 +114,40 @@ class ResilienceConfig:
     """Reports in a row naming the same node (counted from its first slow one) before
     on_straggler=replace_node replaces it; at least straggler_confirm_reports."""
 
+    decisions: str = ""
+    """What is done about a failed attempt, by its cause, 'cause=decision,...' over the defaults: hardware=
+    replace_node, lost_peer=restart, deterministic=stop (the same exception in the same frame at the same step a
+    second time in a launch), data=rollback, transient=restart. Decisions: restart, replace_node, stop,
+    rollback (data only); docs/numeric-faults.md has the table (trainer.resilience.decisions)."""
+
+    numeric_checks: bool = True
+    """Check every step's loss and gradient norm before the optimizer applies them (they are all-reduced anyway:
+    no extra synchronisation): a non-finite value or a spike is an anomaly. Its optimizer step is skipped and
+    the step re-executed on the same batch: clean, it was transient (suspected silent data corruption) and
+    training goes on; again, it is the data or divergence, and training rolls back and skips a data window
+    (docs/numeric-faults.md). false: whatever the step computes is applied, NaN included."""
+
+    spike_zscore: float = 6.0
+    """A loss or gradient norm this many robust standard deviations (1.4826 x the median absolute deviation)
+    above the median of the last resilience.spike_window accepted steps is a spike. 0: spikes are not checked
+    (non-finite values still are)."""
+
+    spike_window: int = 100
+    """The accepted steps a spike is measured against."""
+
+    spike_after_steps: int = 100
+    """Spikes are checked from this step on, once the window is full: early in training the loss falls too fast
+    to be a baseline."""
+
+    rollback_steps: int = 100
+    """A reproducible anomaly at step S: training goes back to the newest checkpoint committed before S, and
+    the window of samples it skips starts this many global batches before S's (PaLM, section 5.1, restarted
+    ~100 steps before a spike): what of it that checkpoint has not trained yet is never trained."""
+
+    skip_steps: int = 200
+    """...and ends this many global batches after S's first sample, S's own batch included (PaLM skipped
+    200-500 batches in all)."""
+
     min_replica_groups: int = 0
     """With training.replica_groups = R >= 2: the fewest groups the job goes on with when a group cannot come
     back (its restart budget gave up, no spare is left); 0 means R, every group: such a loss then stops the job
@@ -137,6 +172,13 @@ class ResilienceConfig:
     replica_check_interval: int = 100
     """Replica groups: every this many steps the groups compare checksums of their parameters (HSDP keeps them
     equal; a difference is a `replica_divergence` event and an error in the log); 0 turns it off."""
+
+    sdc_check_every: int = 100
+    """Replica groups: every this many steps each rank's parameter shard is fingerprinted and compared with its
+    peers' in the other groups (silent data corruption: trainer.resilience.sdc); 0 turns it off."""
+
+    sdc_strikes: int = 2
+    """Replica groups: a node named by this many fingerprint findings is replaced."""
 
     lighthouse_retries: int = 10
     """Replica groups: quorum requests retried when the lighthouse cannot be reached (it restarts: locally the
@@ -163,12 +205,23 @@ class ResilienceConfig:
         for name in ("replica_timeout_seconds", "quorum_timeout_seconds", "lighthouse_join_timeout_seconds",
                      "lighthouse_heartbeat_timeout_seconds"):
             require(getattr(self, name) > 0, f"resilience.{name}", "must be > 0")
+        require(self.sdc_check_every >= 0, "resilience.sdc_check_every", "must be >= 0 (0: off)")
+        require(self.sdc_strikes >= 1, "resilience.sdc_strikes", "must be >= 1")
         require(self.lighthouse_retries >= 0, "resilience.lighthouse_retries", "must be >= 0")
         require(self.replica_check_interval >= 0, "resilience.replica_check_interval", "must be >= 0 (0: off)")
         try:
             parse_startup_timeouts(self.startup_timeouts)
         except ValueError as err:
             raise ConfigError(f"resilience.startup_timeouts: {err}") from err
+        try:
+            parse_decisions(self.decisions)
+        except ValueError as err:
+            raise ConfigError(f"resilience.decisions: {err}") from err
+        require(self.spike_zscore >= 0, "resilience.spike_zscore", "must be >= 0 (0: spikes are not checked)")
+        require(self.spike_window >= 8, "resilience.spike_window", "must be >= 8 (a median needs a few steps)")
+        require(self.spike_after_steps >= 0, "resilience.spike_after_steps", "must be >= 0")
+        require(self.rollback_steps >= 0, "resilience.rollback_steps", "must be >= 0")
+        require(self.skip_steps >= 1, "resilience.skip_steps", "must be >= 1 (the anomaly's own batch is skipped)")
         require(self.straggler_interval >= 0, "resilience.straggler_interval", "must be >= 0 (0: off)")
         require(0 < self.straggler_threshold <= 1, "resilience.straggler_threshold", "must be in (0, 1]")
         require(self.straggler_confirm_reports >= 1, "resilience.straggler_confirm_reports", "must be >= 1")
@@ -196,8 +249,10 @@ class FaultsConfig:
     training.replica_groups >= 2: every node of replica group G at once; :permanent, no replacement comes),
     corrupt_memory (SIGKILL with its newest memory copy corrupted), and the save drills kill_during_shard_write,
     kill_before_manifest, kill_before_rename, kill_before_parent_fsync, kill_during_retention (SIGKILL at that
-    sub-step of the first save of step >= STEP). Each fault fires once per run, so a replayed step does not
-    fire it again."""
+    sub-step of the first save of step >= STEP), and the numeric drills nan@STEP[:rank=R] / spike@STEP[:rank=R]
+    (the loss of the batch step STEP trains in a run without skips made non-finite / 8x larger, each time that
+    batch is trained) and sdc@STEP:rank=R (one bit of one value of rank R's gradient flipped, once). Each other
+    fault fires once per run, so a replayed step does not fire it again."""
 
     mtbf_steps: float = 0.0
     """Add a seeded random schedule with this mean number of steps between faults (0: none)."""

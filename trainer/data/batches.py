@@ -140,6 +140,11 @@ class TokenBatches:
         """Samples taken from each corpus by the first `consumed` samples of the stream."""
         return dict(zip((c.name for c in self.corpora), self.mixture.drawn(consumed)))
 
+    def drawn_between(self, start: int, end: int) -> dict[str, int]:
+        """Samples each corpus gives the stream's samples [start, end) (a skipped window, by dataset)."""
+        before = self.drawn(start)
+        return {name: count - before[name] for name, count in self.drawn(end).items() if count - before[name]}
+
     def epochs(self, consumed: int) -> dict[str, float]:
         """Each corpus's epochs (fractional) by the first `consumed` samples: 1.0 when each window was seen once."""
         return {c.name: drawn / c.windows for c, drawn in zip(self.corpora, self.mixture.drawn(consumed))}

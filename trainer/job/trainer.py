@@ -12,7 +12,6 @@ state, the resume and the loop; the command line is trainer.job.cli.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -27,12 +26,15 @@ from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import step_dir_name
 from trainer.data.batches import skipped_ranges
 from trainer.config import Config
+from trainer.job.numeric_recovery import NumericRecovery, past_skipped
 from trainer.job.startup import start_process
+from trainer.job.step import MetricsWriter, clip, forward_backward, local, total
 from trainer.model.base import load_base_weights
 from trainer.model.llama import build_model, copy_initial_weights
 from trainer.model.optimizer import initialize_state
 from trainer.resilience.in_process import InProcessAttempt
-from trainer.run.lease import Fence, check_fence_of_this_process
+from trainer.resilience.numerics import local_figures
+from trainer.run.lease import check_fence_of_this_process
 from trainer.run.run_dir import write_json
 
 log = logging.getLogger("trainer")
@@ -73,6 +75,9 @@ class Trainer:
         self._prefetch, self.evaluator = started.prefetch, started.evaluator
         self.replica_groups.attach(self.model, self.live_state, self.load_live_state)
         self.replica_groups.on_heal = self.resilience.note_heal
+        # the sample windows never trained (rolled back and skipped: trainer.job.numeric_recovery), run-wide
+        self.skip_windows = [list(window) for window in self.resilience.history.skip_windows]
+        self.numeric_recovery = NumericRecovery(self, self.resilience.history.rollbacks)
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -108,15 +113,15 @@ class Trainer:
         shards): the local shards of the parameters and of AdamW's state, the step and the last loss."""
         params = list(self.model.parameters())
         return {"step": self.step, "last_loss": self.last_loss, "next_sample": self.next_sample,
-                "params": [_local(p.detach()) for p in params],
-                "optim": [{k: _local(v) for k, v in self.optimizer.state[p].items()} for p in params]}
+                "params": [local(p.detach()) for p in params],
+                "optim": [{k: local(v) for k, v in self.optimizer.state[p].items()} for p in params]}
 
     def load_live_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for p, value, optim in zip(self.model.parameters(), state["params"], state["optim"]):
-                _local(p).copy_(value)
+                local(p).copy_(value)
                 for key, tensor in optim.items():
-                    _local(self.optimizer.state[p][key]).copy_(tensor)
+                    local(self.optimizer.state[p][key]).copy_(tensor)
         self.step, self.last_loss = int(state["step"]), float(state["last_loss"])
         self.next_sample = int(state["next_sample"])
 
@@ -159,6 +164,7 @@ class Trainer:
             initialize_state(self.optimizer)
         self._weights_pending = False
         self.replica_groups.resumed_at(self.step)
+        self.numeric_recovery.start(self.step)
         self.resilience.note_resume(step if source != "none" else None, load_started, load_seconds, source, **restore)
 
     def _load_base_weights(self) -> dict[str, Any]:
@@ -185,46 +191,48 @@ class Trainer:
     # -- loop --------------------------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float] | None:
-        """One optimizer step; None when the replica groups discarded it (a group failed during it: it is
-        trained again, with the same data, by the groups left)."""
+        """One optimizer step; None when it was not taken: the replica groups discarded it (a group failed during
+        it: it is trained again, with the same data, by the groups left), or a numeric anomaly rolled back."""
         t = self.cfg.training
         started = time.perf_counter()
         self.replica_groups.begin_step(self.step)  # the step's quorum; a healing group takes a live group's state
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = torch.zeros((), device=self.device)
         # Timed sections (trainer.resilience.straggler): each rank's own work; the loss's all-reduce stays out.
-        first_sample = self.next_sample
+        first_sample = past_skipped(self.next_sample, self.skip_windows)
         with self.resilience.section("data"):
             micro_batches = [self.batches.batch(first_sample, micro, self.global_rank, self.data_parallel_ranks)
                              for micro in range(t.grad_accum_steps)]
         data_seconds = time.perf_counter() - started
         with self.resilience.section("forward_backward"):
-            for inputs, labels in micro_batches:
-                inputs = torch.from_numpy(inputs).to(self.device)
-                labels = torch.from_numpy(labels).to(self.device)
-                loss = self.model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk)
-                (loss / t.grad_accum_steps).backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       t.grad_clip if t.grad_clip > 0 else float("inf"))
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            local_loss, norm = self.compute(micro_batches, first_sample)
+            grad_norm = total(norm)
+        # Checked before the optimizer applies them (trainer.resilience.numerics): figures all-reduced anyway.
+        job_loss = self.job_mean(local_loss)
+        anomaly = self.resilience.numerics.check(self.step + 1, first_sample, job_loss.item() / t.grad_accum_steps,
+                                                 float(grad_norm))
+        if anomaly is not None:
+            resolved = self.numeric_recovery.resolve(anomaly, micro_batches, local_figures(local_loss, self.model))
+            if resolved is None:
+                return None
+            job_loss, norm, grad_norm = resolved
         with self.resilience.section("optimizer"):
+            clip(self.model, norm, t.grad_clip)
             committed = self.replica_groups.should_commit(self.step)
             if committed:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if not committed:
             return None
-        if self.world_size > 1:  # note: a sync point; the loss is averaged over ranks only for reporting
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        loss_sum = self.replica_groups.average_across_groups(loss_sum)
         self.step += 1
         self.next_sample = first_sample + self.global_batch
         replicas_equal = self.replica_groups.replicas_equal(self.model, self.step)
-        self.last_loss = loss_sum.item() / t.grad_accum_steps
+        finding = self.replica_groups.compare_fingerprints(self.model, self.step)  # trainer.resilience.sdc
+        if finding is not None and self.numeric_recovery.sdc_found(finding):
+            return None
+        self.last_loss = job_loss.item() / t.grad_accum_steps
+        self.numeric_recovery.after_step(self.step, self.last_loss, float(grad_norm))
         seconds = time.perf_counter() - started
         skipped = self._skipped_samples(first_sample)
         samples_skipped = sum(end - start for start, end in skipped)
@@ -237,6 +245,24 @@ class Trainer:
                 **self.batches.position(first_sample, self.next_sample),
                 **({"skipped_samples": skipped} if skipped else {}), **self.replica_groups.figures(),
                 **({"replicas_equal": replicas_equal} if replicas_equal is not None else {})}
+
+    def compute(self, micro_batches: list, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of the step's micro-batches (trainer.job.step.forward_backward)."""
+        return forward_backward(self.model, micro_batches, device=self.device, training_cfg=self.cfg.training,
+                                drills=self.resilience.numerics.drills, step=self.step + 1,
+                                first_sample=first_sample, global_batch=self.global_batch)
+
+    def job_mean(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """The loss summed over micro-batches, averaged over the group's ranks and then over the replica groups
+        taking part: every group judges the same figure (its gradients are averaged across groups already)."""
+        group_loss = local_loss.clone()
+        if self.world_size > 1:
+            dist.all_reduce(group_loss, op=dist.ReduceOp.AVG)
+        return self.replica_groups.average_across_groups(group_loss)
+
+    def budget_rollback(self, record: dict[str, Any]) -> None:
+        """A rollback counts against the restart budget by progress (trainer.resilience.budget)."""
+        self.restart_budget.rolled_back(record)
 
     @property
     def data_parallel_ranks(self) -> int:
@@ -263,7 +289,7 @@ class Trainer:
             self.resume()
         self.watchdog.enter("first_step")
         started_at_step, started = self.step, time.perf_counter()
-        with _MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
+        with MetricsWriter(self.run_dir.metrics if self.rank == 0 else None, self.fence) as writer:
             while self.should_continue_training():
                 metrics = self.train_step()
                 if metrics is None:  # discarded by the replica groups: trained again at once
@@ -318,33 +344,3 @@ class Trainer:
             self._own_lease.release()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _local(value: Any) -> Any:
-    """A DTensor's local shard (FSDP2's parameters and their optimizer state); anything else as it is."""
-    return value.to_local() if hasattr(value, "to_local") else value
-
-
-class _MetricsWriter:
-    """Appends one JSON line per step (rank 0 only); the file survives restarts and is appended to."""
-
-    def __init__(self, path: Path | None, fence: Fence):
-        self.path = path
-        self.fence = fence
-        self.handle = None
-
-    def __enter__(self) -> "_MetricsWriter":
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.handle = self.path.open("a")
-        return self
-
-    def write(self, record: dict[str, float]) -> None:
-        if self.handle is not None:
-            self.fence.check()  # a superseded trainer appends nothing
-            self.handle.write(json.dumps({**record, "time": time.time()}) + "\n")
-            self.handle.flush()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.handle is not None:
-            self.handle.close()

@@ -28,12 +28,14 @@ from trainer.resilience.budget import restart_layer
 from trainer.resilience.failures import explain_restarts
 from trainer.resilience.faults import FaultInjector, straggling_here
 from trainer.resilience.health import GpuHealth, efa_memlock_check
-from trainer.resilience.straggler import StragglerDetector
+from trainer.resilience.numerics import NumericDrills, NumericGuard
+from trainer.observe.memory import oom_kills
+from trainer.resilience.straggler import StragglerDetector, node_name
 from trainer.resilience.worker_clock import worker_started_at
 from trainer.run.events import EventLog
 from trainer.run.history import ControlState
 from trainer.run.run_dir import RunDir
-from trainer.run.tail import read_last_record
+from trainer.run.tail import read_last_record, read_last_records
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +97,9 @@ class ResilienceHooks:
             types = [t.strip() for t in cfg.faults.random_types.split(",") if t.strip()]
             faults += random_schedule(cfg.training.num_steps, cfg.faults.mtbf_steps, types,
                                       world_size * cfg.training.replica_groups, cfg.faults.seed)
-        # a group's loss is fired by the group's first rank
-        faults = [dataclasses.replace(f, rank=f.group * world_size) if f.group is not None else f for f in faults]
+        # a group's loss is fired by the group's first rank, a bit flip by its rank of the group
+        faults = [dataclasses.replace(f, rank=f.group * world_size + (f.rank if f.type == "bitflip" else 0))
+                  if f.group is not None else f for f in faults]
         late = [f.key for f in faults if f.step is not None and f.step > cfg.training.num_steps]
         if late and rank == 0:
             log.warning("faults scheduled after the last step (%d) will not fire: %s", cfg.training.num_steps,
@@ -109,6 +112,9 @@ class ResilienceHooks:
         self.stragglers = StragglerDetector(cfg, rank=rank, world_size=world_size, device=device, events=events,
                                             telemetry=telemetry, slowdown=lambda: self.injector.slowdown)
         self.section = self.stragglers.section  # the loop's timed sections: with hooks.section("data"): ...
+        # the step's own check (trainer.resilience.numerics): the loop asks it before each optimizer step
+        self.numerics = NumericGuard(cfg.resilience, rank=rank, world_size=world_size, events=events, device=device,
+                                     drills=NumericDrills(faults, self.global_rank, events, self.injector.fired_keys))
         self._resume: dict[str, Any] | None = None
         self._healed = False  # this start took a live replica group's state (trainer.resilience.replica_groups)
         self._first_step_done = False
@@ -120,10 +126,21 @@ class ResilienceHooks:
             self.events.write("launch", launcher=self.launcher, restart_iteration=self.restart_iteration,
                               job_attempt=self.job_attempt, in_process_iteration=self.in_process_iteration,
                               process_started_at=self.process_started_at, init_seconds=init_seconds or {})
+        self._note_oom_kills()
         memlock = efa_memlock_check(dict(os.environ))
         if memlock is not None and not memlock["ok"]:
             log.error("EFA: %s (memlock %s)", memlock["fix"], memlock["memlock_soft"])
             self.events.write("efa_memlock", **memlock)
+
+    def _note_oom_kills(self) -> None:
+        """A node's first rank records its cgroup's OOM-kill count when it changed since the node's last start: a
+        rise is the OOM killer's evidence for the recovery that follows (a killed rank leaves no record)."""
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0 or (count := oom_kills()) is None:
+            return
+        node, before = node_name(), self.history.oom_kills.get(node_name())
+        if count != before:
+            self.events.write("node_oom_kills", node=node, oom_kill=count,
+                              new=count - before if before is not None and count > before else 0)
 
     def note_resume(self, reloaded_step: int | None, load_started: float, load_seconds: float,
                     source: str = "disk", fsx_bytes_read: int = 0, **restore: float) -> None:
@@ -131,6 +148,7 @@ class ResilienceHooks:
         self._resume = {"reloaded_step": reloaded_step or 0, "load_started": load_started,
                         "load_seconds": load_seconds, "source": source, "fsx_bytes_read": fsx_bytes_read, **restore}
         self.injector.before_step((reloaded_step or 0) + 1)
+        self.numerics.resumed(RunDir(self.cfg.run_dir).metrics, reloaded_step or 0)
 
     def note_heal(self, step: int, donor: int | None, seconds: float, received_bytes: int) -> None:
         """This group healed from a live one before its first step: the recovery reloaded that step from it."""
@@ -219,6 +237,10 @@ class ResilienceHooks:
         # this recovery comes from, and any restarts before it that failed in start-up.
         *earlier, last = explain_restarts(self.cfg.run_dir, self.process_started_at, self.world_size, self.history)
         record.update(last, earlier_causes=[found["cause"] for found in earlier])
+        killed = self._oom_killed_since(fault_time or self.process_started_at)
+        if killed and record["decided_cause"] == "transient":  # a rank killed without a word: here is why
+            record["evidence"] = (f"the OOM killer ended {sum(k['new'] for k in killed)} process(es) on "
+                                  f"{', '.join(sorted({k['node'] for k in killed}))} (cgroup memory.events)")
         if "donor_group" in resume:  # what brought this group back: a live group's state, not a tier
             record["cause"] = (f"{record['cause']}; replica group healed from group {resume['donor_group']} "
                                f"({resume['heal_bytes'] / 1e6:.0f} MB in {resume['heal_seconds']:.1f} s)")
@@ -228,6 +250,12 @@ class ResilienceHooks:
         log.warning("recovered by %s: reloaded step %d, lost %s steps, %.1f s — %s", mechanism,
                     record["reloaded_step"], record["lost_steps"], record["recovery_seconds"] or float("nan"),
                     record["cause"])
+
+    def _oom_killed_since(self, since: float) -> list[dict[str, Any]]:
+        """The nodes whose OOM-kill count rose at this start (their node_oom_kills records, read from the end)."""
+        return read_last_records(RunDir(self.cfg.run_dir).control_log,
+                                 lambda r: r.get("event") == "node_oom_kills" and r.get("new") and
+                                 r.get("time", 0) >= since - 1, self.world_size)
 
     def close(self) -> None:
         self.heartbeat.close()

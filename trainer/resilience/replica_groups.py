@@ -32,12 +32,11 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ReduceOp
 from torch.distributed.fsdp import FSDPModule
 
 from trainer.config import Config
 from trainer.env import REPLICA_GROUP_ENV
+from trainer.resilience.sdc import fingerprint_table, judge
 from trainer.resilience.torchft_compat import QuorumSpy, group_of_replica_id, quiet_torchft, tensor_bytes
 from trainer.run.events import EventLog
 
@@ -75,6 +74,12 @@ class Single:
 
     def average_across_groups(self, value: torch.Tensor) -> torch.Tensor:
         return value
+
+    def compare_fingerprints(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
+        return None
+
+    def heal_from_the_others(self) -> None:
+        pass
 
     @property
     def participants(self) -> int:
@@ -125,6 +130,9 @@ class TorchftGroups(Single):
         self._heal_started: float | None = None
         self._quorum_timeout, self._join_timeout = r.quorum_timeout_seconds, r.lighthouse_join_timeout_seconds
         self._check_interval = r.replica_check_interval
+        self._sdc_every = r.sdc_check_every
+        self.last_agreed_step = 0  # the newest step whose fingerprints every group shared (trainer.resilience.sdc)
+        self._device = device
         self._replica_timeout = r.replica_timeout_seconds
         self._quorum_seconds = 0.0
         self.heals = 0
@@ -267,29 +275,42 @@ class TorchftGroups(Single):
 
     def replicas_equal(self, model: torch.nn.Module, step: int) -> bool | None:
         """HSDP's invariant, checked every resilience.replica_check_interval steps: every group taking part holds
-        the same parameters. A float64 sum and sum of squares of this group's shards, summed over its ranks,
-        compared across groups by their max and min; None when not due or the comparison failed (a group
-        died during it). A mismatch is recorded (``replica_divergence``) and logged as an error."""
+        the same parameters, bit for bit (each rank's shard fingerprint: trainer.resilience.sdc); None when not
+        due or the comparison failed (a group died during it). A mismatch is recorded (``replica_divergence``)
+        and logged as an error."""
         if not self._check_interval or step % self._check_interval or self.participants < 2:
             return None
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        sums = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in local]).sum(0)
-        sums = sums.to(next(model.parameters()).device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums)
-        highest, lowest = sums.clone(), -sums
-        self.manager.allreduce(highest, reduce_op=ReduceOp.MAX).wait()
-        self.manager.allreduce(lowest, reduce_op=ReduceOp.MAX).wait()
-        if self.manager.errored() is not None:
+        table = fingerprint_table(self.manager, model, self._device, self.group, self.groups, self.world_size)
+        if table is None:
             return None
-        equal = bool(torch.equal(highest, -lowest))
-        if not equal:
-            log.error("replica group %d: the groups' parameters differ after step %d (sums %s to %s)", self.group,
-                      step, (-lowest).tolist(), highest.tolist())
+        finding = judge(table, self.participating_groups)
+        if finding is not None:
+            log.error("replica group %d: the groups' parameters differ after step %d (ranks and the groups apart: %s)",
+                      self.group, step, finding["ranks"])
             if self.rank == 0:
-                self.events.write("replica_divergence", group=self.group, step=step, lowest=(-lowest).tolist(),
-                                  highest=highest.tolist())
-        return equal
+                self.events.write("replica_divergence", group=self.group, step=step,
+                                  ranks={str(r): g for r, g in finding["ranks"].items()})
+        return finding is None
+
+    def compare_fingerprints(self, model: torch.nn.Module, step: int) -> dict[str, Any] | None:
+        """Every resilience.sdc_check_every steps: each rank's shard fingerprint against its peers' in the other
+        groups (trainer.resilience.sdc); the finding when they differ, else None."""
+        if not self._sdc_every or step % self._sdc_every or self.participants < 2:
+            return None
+        table = fingerprint_table(self.manager, model, self._device, self.group, self.groups, self.world_size)
+        if table is None:  # a group died during it: the next check compares
+            return None
+        finding = judge(table, self.participating_groups)
+        if finding is None:
+            self.last_agreed_step = step
+            return None
+        return {**finding, "step": step, "last_agreed_step": self.last_agreed_step}
+
+    def heal_from_the_others(self) -> None:
+        """This group's state is wrong: one step back on torchft's count, so the next quorum makes it recover a live
+        group's state (trainer.resilience.sdc)."""
+        self.manager.load_state_dict({"step": self.manager.current_step() - 1,
+                                      "batches_committed": self.manager.batches_committed()})
 
     def average_across_groups(self, value: torch.Tensor) -> torch.Tensor:
         """The mean over the groups taking part (the report's loss); on a failed all-reduce, this group's own."""

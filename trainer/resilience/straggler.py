@@ -1,7 +1,7 @@
 """Straggler detection on every backend: a slow rank is named with NVRx's scores, not just felt as a slow job.
 
 The loop times four sections of each step (``section(name)``): data, forward_backward (with the gradient
-clipping's all-reduce), optimizer, checkpoint_wait. Every ``resilience.straggler_interval`` steps the ranks
+norm's all-reduce), optimizer (with the clipping), checkpoint_wait. Every ``resilience.straggler_interval`` steps the ranks
 score them with NVRx's own report code and rank 0 names the stragglers:
 
 - on CUDA, NVRx's ``Detector`` (sections on the wall clock, kernels through CUPTI: the GPU scores);

@@ -36,6 +36,9 @@ from trainer.run.legacy import ensure_current_format
 from trainer.run.run_dir import FAILURE_EVENTS, PERIODIC_EVENTS, RunDir, read_json, write_json
 from trainer.run.tail import read_last_record, read_last_records, read_new_lines
 
+# The newest rollbacks kept: a no-progress streak (trainer.resilience.budget.rollback_streak) never reaches back
+# further than the restart budget's limit.
+ROLLBACKS_KEPT = 32
 RECENT_RECOVERIES = 5  # listed whole in summary.json and the CLI's summary; MLflow's table has them all
 
 
@@ -70,6 +73,12 @@ class ControlState:
     group_windows: dict[str, dict[str, Any]] = field(default_factory=dict)
     train_launches: list[dict[str, Any]] = field(default_factory=list)  # the train step's: started_at, finished_at
     stragglers: dict[str, dict[str, Any]] = field(default_factory=dict)  # rank -> first report, streaks, lowest
+    # numeric anomalies rolled back (trainer.job.numeric_recovery): the sample windows never trained, and the
+    # rollbacks (anomaly_step, reloaded_step, window) the budget by progress counts
+    skip_windows: list[list[int]] = field(default_factory=list)
+    sdc_strikes: dict[str, int] = field(default_factory=dict)  # node -> fingerprint findings naming it
+    oom_kills: dict[str, int] = field(default_factory=dict)  # node -> its cgroup's OOM-kill count at its last start
+    rollbacks: list[dict[str, Any]] = field(default_factory=list)
     last_time: float = 0.0  # the newest record folded in
 
     # -- folding ---------------------------------------------------------------------------------------
@@ -113,6 +122,16 @@ class ControlState:
             self.interval_chosen = record
         elif kind == "straggler":
             self._straggler(record)
+        elif kind == "node_oom_kills":
+            self.oom_kills[record["node"]] = record["oom_kill"]
+        elif kind == "sdc_strike":
+            self.sdc_strikes[record["node"]] = record["strikes"]
+        elif kind == "data_skipped":
+            self.skip_windows.append([record["start"], record["end"]])
+        elif kind == "rollback":
+            self.rollbacks = [*self.rollbacks, {key: record.get(key) for key in (
+                "time", "anomaly_step", "anomaly", "reloaded_step", "window", "pinned_step",
+                "episode_until")}][-ROLLBACKS_KEPT:]
         elif kind == "train_launch":
             self.train_launches.append({"started_at": record["started_at"], "finished_at": None})
         elif kind == "train_launch_ended":

@@ -1,0 +1,78 @@
+"""The compute of one step (forward, backward, the gradient's clipping) and the metrics file the loop appends to.
+
+Apart from the Trainer because a step is computed twice when its figures are anomalous
+(trainer.job.numeric_recovery executes it again on the same batch).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.resilience.numerics import NumericDrills
+from trainer.run.lease import Fence
+
+
+def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarray, np.ndarray]], *, device,
+                     training_cfg, drills: NumericDrills, step: int, first_sample: int,
+                     global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's loss summed over its micro-batches, the gradient's total norm over every rank, as
+    torch.nn.utils.get_total_norm gives it: a DTensor under FSDP2): the gradients are left in the parameters,
+    not clipped yet — the step's figures are checked first (trainer.resilience.numerics), and a rank's own
+    gradient is what tells it when they are anomalous."""
+    t = training_cfg
+    loss_sum = torch.zeros((), device=device)
+    for inputs, labels in micro_batches:
+        inputs = torch.from_numpy(inputs).to(device)
+        labels = torch.from_numpy(labels).to(device)
+        loss = drills.poison(model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk), first_sample,
+                             global_batch)
+        (loss / t.grad_accum_steps).backward()
+        loss_sum += loss.detach()
+    drills.flip(model, step)
+    return loss_sum, torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def total(norm: torch.Tensor) -> torch.Tensor:
+    """The total norm on every rank (a DTensor's reduction: a collective)."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def clip(model: torch.nn.Module, norm: torch.Tensor, grad_clip: float) -> None:
+    """clip_grad_norm_'s second half, with the norm its first half gave (forward_backward)."""
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"), norm)
+
+
+def local(value: Any) -> Any:
+    """A DTensor's local shard (FSDP2's parameters and their optimizer state); anything else as it is."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+class MetricsWriter:
+    """Appends one JSON line per step (rank 0 only); the file survives restarts and is appended to."""
+
+    def __init__(self, path: Path | None, fence: Fence):
+        self.path = path
+        self.fence = fence
+        self.handle = None
+
+    def __enter__(self) -> "MetricsWriter":
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = self.path.open("a")
+        return self
+
+    def write(self, record: dict[str, float]) -> None:
+        if self.handle is not None:
+            self.fence.check()  # a superseded trainer appends nothing
+            self.handle.write(json.dumps({**record, "time": time.time()}) + "\n")
+            self.handle.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.close()
