@@ -35,8 +35,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from components.run_metrics import (RECOVERY_TABLE, STRAGGLER_TABLE, event_record, opens_a_streak, step_rows,
-                                    system_rows, table)
+from components.run_metrics import (RECOVERY_TABLE, STRAGGLER_TABLE, event_record, opens_a_streak, recovery_row,
+                                    step_rows, system_rows, table)
 from components.tracking import Tracker, metric_rows
 from trainer.observe.progress import progress_line
 from trainer.run.run_dir import RunDir, read_json
@@ -108,8 +108,8 @@ class RunFolderForwarder:
                 rows += system_rows(samples, counters["system_points"])
                 counters["system_points"] += 1
             control = new[self._key(self.run_dir.control_log)]
-            parts = [part for part in (self._table_part(counters, RECOVERY_TABLE,
-                                                        [e for e in control if e.get("event") == "recovery"]),
+            recovery_rows = [row for row in map(recovery_row, control) if row is not None]
+            parts = [part for part in (self._table_part(counters, RECOVERY_TABLE, recovery_rows),
                                        self._table_part(counters, STRAGGLER_TABLE, [e for e in control
                                                                                     if opens_a_streak(e)]))
                      if part is not None]

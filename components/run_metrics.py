@@ -11,6 +11,8 @@ recovery reads the same in both:
   checkpoint, a save's stall (the worst rank's, reduced by the ranks: trainer.checkpoint.commit);
 - ``system_rows(samples, point)`` — every node's system metrics as a few keys that do not grow with the cluster;
 - ``opens_a_streak(event)`` — whether a straggler event is a table row (and a console line);
+- ``recovery_row(event)`` — a recovery, or a numeric fault's anomaly, rerun, SDC finding, rollback or skip, as a
+  row of the recovery table with its mechanism (None: not one);
 - ``table(records)`` — rows as the columns MLflow's table view shows.
 """
 
@@ -21,6 +23,10 @@ from typing import Any
 
 RECOVERY_TABLE = "recovery_events.json"
 STRAGGLER_TABLE = "straggler_events.json"
+# The numeric faults' records (trainer.resilience.numerics, trainer.job.numeric_recovery): rows of the recovery
+# table, each with the mechanism that acted.
+NUMERIC_MECHANISMS = {"numeric_anomaly": "numeric_check", "numeric_rerun": "rerun", "sdc_suspected": "rerun",
+                      "rollback": "rollback", "data_skipped": "skip"}
 # Recovery fields logged as metrics at the recovery's first step.
 RECOVERY_METRICS = ("recovery_seconds", "lost_steps", "reload_seconds", "reinit_seconds",
                     "detect_and_teardown_seconds", "first_step_seconds", "fsx_bytes_read", "restore_seconds",
@@ -60,6 +66,11 @@ def event_record(event: dict[str, Any], recoveries: int) -> dict[str, Any] | Non
     if kind == "checkpoint_interval_chosen" and event["rank"] == 0:
         return {"step": event.get("step", 0), "time": event["time"],
                 "checkpoint_interval_steps_chosen": event["interval_steps"]}
+    if kind in ("numeric_anomaly", "sdc_suspected"):
+        return {"step": event["step"], "time": event["time"], kind: 1}
+    if kind == "rollback":  # a mark on the loss's plot at the anomaly, with what it cost
+        return {"step": event["anomaly_step"], "time": event["time"], "rollback": 1,
+                "rollback_lost_steps": event["lost_steps"], "samples_skipped_by_rollback": event["samples"]}
     if kind == "checkpoint_committed":
         return commit_record(event)
     if kind == "checkpoint_stall":
@@ -119,6 +130,15 @@ def opens_a_streak(event: dict[str, Any]) -> bool:
 def _first_of_streak(event: dict[str, Any]) -> bool:
     """Run folders before resilience.straggler_confirm_reports named a straggler in its first report."""
     return event.get("first_of_streak", event["consecutive_reports"] == 1)
+
+
+def recovery_row(event: dict[str, Any]) -> dict[str, Any] | None:
+    kind = event.get("event")
+    if kind == "recovery":
+        return event
+    if kind in NUMERIC_MECHANISMS:
+        return {**event, "mechanism": NUMERIC_MECHANISMS[kind]}
+    return None
 
 
 def table(records: list[dict[str, Any]]) -> dict[str, list]:

@@ -153,7 +153,9 @@ class TrainingProgress:
             line = (f"  ! recovered by {event['mechanism']} restart: reloaded step {event['reloaded_step']} from "
                     f"{event['reload_source']}, {lost} steps lost, {seconds} to the next step"
                     + "".join(f"\n    cause: {cause}" for cause in [*event.get("earlier_causes", []), event.get("cause")]
-                              if cause))
+                              if cause)
+                    + (f"\n    decision: {event['decision']} ({event['decided_cause']}: {event['evidence']})"
+                       if event.get("decision") else ""))
         elif opens_a_streak(event):
             key = ("straggler", event.get("step"), event.get("straggler_rank"))  # a streak's start, a replacement
             line = (f"  ! straggler at step {event['step']}: rank {event['straggler_rank']} on {event['node']}, "
@@ -169,6 +171,16 @@ class TrainingProgress:
         elif event["event"] == "gave_up":
             key = ("gave_up", event.get("generation"))
             line = f"  ! {event['message']}"
+        elif event["event"] == "rollback":
+            key = ("rollback", event.get("anomaly_step"), event.get("time"))
+            line = (f"  ! {event['anomaly']} at step {event['anomaly_step']}, again on the same batch: rolled back to "
+                    f"step {event['reloaded_step']} ({event['reload_source']}), {event['lost_steps']} steps lost, "
+                    f"{event['samples']} samples skipped")
+        elif event["event"] == "sdc_suspected":
+            key = ("sdc_suspected", event.get("step"))
+            who = f" on rank(s) {', '.join(map(str, event['ranks']))}" if event.get("ranks") else ""
+            line = (f"  ! suspected silent data corruption at step {event['step']}{who}: {event['anomaly']}, clean "
+                    "when executed again; trained on")
         elif (found := replica_group_line(event)) is not None:
             key, line = found
         else:
