@@ -43,6 +43,11 @@ class TrainingReport:
                   "recovery_seconds_total": sum(r.get("recovery_seconds") or 0.0 for r in recoveries)}
         for mechanism in sorted({r["mechanism"] for r in recoveries}):
             totals[f"recoveries_{mechanism}"] = sum(r["mechanism"] == mechanism for r in recoveries)
+        rollbacks = [r for r in self.measured.numeric if r["event"] == "rollback"]
+        if rollbacks:  # numeric anomalies that came back on a rerun (trainer.job.numeric_recovery)
+            totals.update({"rollbacks": len(rollbacks),
+                           "rollback_lost_steps": sum(r.get("lost_steps") or 0 for r in rollbacks),
+                           "samples_skipped_by_rollback": sum(r.get("samples") or 0 for r in rollbacks)})
         stalls = [s["loop_wait_seconds"] for s in self.measured.stalls]
         steps = self.measured.ledger.steps
         return {"job_wall_seconds": split["wall_seconds"], "productive_seconds": split["productive_seconds"],

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from components.train.local import run_local_training
+from components.train.report import training_report
 from components.validate.checks import check_checkpoint
 from trainer.checkpoint.format import committed_checkpoints
 from trainer.run.events import read_events
@@ -63,6 +64,11 @@ def test_a_nan_batch_is_rolled_back_and_skipped_and_no_checkpoint_or_weight_hold
     assert sum(skipped["by_dataset"].values()) == skipped["samples"] == 2 * batch
     assert control_state(cfg.run_dir).skip_windows == [[first, first + 2 * batch]]
     assert [e["fault_key"] for e in read_events(cfg.run_dir, "fault_absorbed")] == [f"nan@{FAULT_STEP}:rank=1"]
+    # the goodput: the abandoned step (both passes) is wasted progress, the reload a checkpoint load
+    report = training_report(cfg.run_dir, None)
+    assert report["badput_seconds"]["wasted_progress"] >= rollback["wasted_seconds"] > 0
+    assert report["badput_seconds"]["checkpoint_load"] >= rollback["reload_seconds"] > 0
+    assert report["recovery_totals"]["samples_skipped_by_rollback"] == 2 * batch
 
     metrics = _metrics(cfg)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in metrics)

@@ -66,6 +66,36 @@ def test_badput_categories_add_up_to_the_wall_time(tmp_path):
     assert split["goodput"] == pytest.approx(9.0 / (finished - T0))
 
 
+def test_a_rollback_and_a_transient_rerun_are_wasted_progress_and_the_skipped_samples_are_counted(tmp_path):
+    """Steps of 1 s. Step 7's NaN came back on its rerun (both passes, 2 s, never a metrics line): rolled back to
+    step 4 in 0.3 s, steps 5-6 trained again on other samples, 64 samples skipped. Step 9's spike was transient:
+    its kept record's 1.8 s holds its 0.8 s rerun (trainer.job.numeric_recovery)."""
+    run, rank0 = RunDir(tmp_path), EventLog(tmp_path, 0)
+    rank0.write("launch", process_started_at=T0)
+    records, now = [], T0
+    for step in [1, 2, 3, 4, 5, 6, "anomaly", 5, 6, 7, 8, 9, 10]:
+        if step == "anomaly":
+            now += 2.0 + 0.3
+            continue
+        now += 1.8 if step == 9 else 1.0
+        records.append({"step": step, "time": now, "step_seconds": 1.8 if step == 9 else 1.0, "data_seconds": 0.1})
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    rank0.write("numeric_rerun", step=7, anomaly="nonfinite_loss", verdict="reproducible", seconds=1.0)
+    rank0.write("rollback", anomaly_step=7, anomaly="nonfinite_loss", reloaded_step=4, reload_source="memory",
+                lost_steps=2, window=[0, 96], samples=64, reload_seconds=0.3, wasted_seconds=2.0)
+    rank0.write("numeric_rerun", step=9, anomaly="loss_spike", verdict="transient", seconds=0.8)
+    run.result.write_text(json.dumps({"finished_at": now}))
+
+    split = badput_breakdown(tmp_path)
+    seconds = split["badput_seconds"]
+    assert split["productive_seconds"] == pytest.approx(10 * 0.9 + 0.8 - 0.8)  # the rerun leaves step 9's share
+    assert seconds["wasted_progress"] == pytest.approx(2.0 + 2.0 + 0.8)  # steps 5-6 again, step 7, step 9's rerun
+    assert seconds["checkpoint_load"] == pytest.approx(0.3)
+    assert split["productive_seconds"] + sum(seconds.values()) == pytest.approx(split["wall_seconds"])
+    totals = training_report(tmp_path, None)["recovery_totals"]
+    assert (totals["rollbacks"], totals["rollback_lost_steps"], totals["samples_skipped_by_rollback"]) == (1, 2, 64)
+
+
 def test_measured_costs_are_what_the_planner_takes(tmp_path):
     _write_run(tmp_path)
     costs = measured_costs(tmp_path)

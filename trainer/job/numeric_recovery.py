@@ -25,6 +25,7 @@ The replica groups' fingerprint findings (trainer.resilience.sdc) land here too:
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -83,19 +84,22 @@ class NumericRecovery:
             self.trainer.checkpointer.pin(None)
             self.episode = None
 
-    def resolve(self, anomaly: Anomaly, micro_batches: list, first: torch.Tensor) -> \
+    def resolve(self, anomaly: Anomaly, micro_batches: list, first: torch.Tensor, step_started: float) -> \
             tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Execute the step again: its (job's loss, gradient norm as computed, its total) when it is clean the
         second time, the gradients in place for the clipping and the optimizer; None after a rollback (the step
-        is not taken). first: this rank's own figures of the first pass (numerics.local_figures)."""
+        is not taken). first: this rank's own figures of the first pass (numerics.local_figures); step_started:
+        the step's perf_counter start (a rolled-back step's seconds are wasted progress)."""
         trainer = self.trainer
         guard = trainer.resilience.numerics
         trainer.optimizer.zero_grad(set_to_none=True)
+        rerun_started = time.perf_counter()
         local_loss, norm = trainer.compute(micro_batches, anomaly.first_sample)
         grad_norm = total(norm)
         job_loss = trainer.job_mean(local_loss)
         verdict = guard.after_rerun(anomaly, job_loss.item() / trainer.cfg.training.grad_accum_steps,
-                                    float(grad_norm), first, local_figures(local_loss, trainer.model))
+                                    float(grad_norm), first, local_figures(local_loss, trainer.model),
+                                    seconds=time.perf_counter() - rerun_started)
         if verdict == "transient":
             self._absorbed(f"transient at step {anomaly.step}: clean on the same batch again, trained on")
             return job_loss, norm, grad_norm
@@ -106,10 +110,11 @@ class NumericRecovery:
                 f"on the same batch (samples from {anomaly.first_sample}): the data or divergence, and "
                 "resilience.decisions says data=stop. The newest checkpoint before it stands.", step=anomaly.step,
                 cause="data")
-        self.roll_back_and_skip(anomaly)
+        self.roll_back_and_skip(anomaly, wasted_seconds=time.perf_counter() - step_started)
         return None
 
-    def roll_back_and_skip(self, anomaly: Anomaly) -> None:
+    def roll_back_and_skip(self, anomaly: Anomaly, wasted_seconds: float = 0.0) -> None:
+        """wasted_seconds: what the anomaly's step computed before it was abandoned (both passes)."""
         trainer, cfg = self.trainer, self.trainer.cfg.resilience
         batch = trainer.global_batch
         window = [max(0, anomaly.first_sample - cfg.rollback_steps * batch), anomaly.first_sample + cfg.skip_steps * batch]
@@ -119,7 +124,9 @@ class NumericRecovery:
             self.episode = {"pinned_step": trainer.checkpointer.newest_committed_at_or_before(target), "until": 0}
         self.episode["until"] = anomaly.step + cfg.rollback_steps + cfg.skip_steps
         trainer.checkpointer.pin(self.episode["pinned_step"])
+        reload_started = time.perf_counter()
         before, step, source = self._go_back(target)
+        reload_seconds = time.perf_counter() - reload_started
         if source == "in_memory":  # nothing at or before the target: the anomaly was never applied
             log.warning("no checkpoint before step %d: training goes on from step %d, where the anomaly's step "
                         "was not applied", anomaly.step, step)
@@ -128,7 +135,9 @@ class NumericRecovery:
                   "reloaded_step": step, "reload_source": source, "lost_steps": before - step,
                   "window": window, "samples": untrained[1] - untrained[0],
                   "by_dataset": trainer.batches.drawn_between(*untrained),
-                  "pinned_step": self.episode["pinned_step"], "episode_until": self.episode["until"]}
+                  "pinned_step": self.episode["pinned_step"], "episode_until": self.episode["until"],
+                  # the goodput's badput (trainer.planning.measured): checkpoint_load and wasted_progress
+                  "reload_seconds": reload_seconds, "wasted_seconds": wasted_seconds}
         trainer.budget_rollback(record)  # records it; gives up here after too many rollbacks without progress
         if trainer.rank == 0:
             trainer.events.write("data_skipped", step=anomaly.step, start=untrained[0], end=untrained[1],

@@ -213,7 +213,8 @@ class Trainer:
         anomaly = self.resilience.numerics.check(self.step + 1, first_sample, job_loss.item() / t.grad_accum_steps,
                                                  float(grad_norm))
         if anomaly is not None:
-            resolved = self.numeric_recovery.resolve(anomaly, micro_batches, local_figures(local_loss, self.model))
+            resolved = self.numeric_recovery.resolve(anomaly, micro_batches, local_figures(local_loss, self.model),
+                                                     started)
             if resolved is None:
                 return None
             job_loss, norm, grad_norm = resolved

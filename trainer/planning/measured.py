@@ -19,8 +19,10 @@ to it; `other` is the rest: logging, metrics, the processes' exit):
 - data_loading: the kept steps' wait for their batches;
 - checkpoint_save: everything the loop waited for in saves (previous save, barrier, hand-off, node-memory
   copies; the worst rank's) and the final save's wait;
-- checkpoint_load: reloading the state after a fault;
-- wasted_progress: steps computed again after a fault (their first computation was productive);
+- checkpoint_load: reloading the state after a fault or for a rollback;
+- wasted_progress: steps computed again after a fault (their first computation was productive), a numeric
+  anomaly's step that was rolled back (both its passes) and the rerun of one that proved transient (the rerun is
+  inside its kept step's seconds, so it leaves productive). A rollback's steps computed again count as replays;
 - infrastructure_recovery: detection, tear-down and re-initialisation after a fault;
 - startup: from each launch's start to its first step;
 - evaluation: periodic validation between steps (eval.every_steps) and the final evaluation and export.
@@ -115,6 +117,7 @@ class MeasuredRun:
     commits: list[dict[str, Any]]
     recoveries: list[dict[str, Any]]
     faults: list[dict[str, Any]]  # drill faults
+    numeric: list[dict[str, Any]]  # numeric_rerun and rollback records (trainer.job.numeric_recovery)
     state: ControlState
     windows: list[tuple[float, float]]  # the counted launches: (start, end)
     result: dict[str, Any]
@@ -134,6 +137,7 @@ class MeasuredRun:
                    commits=[r for r in periodic if r["event"] == "checkpoint_committed"],
                    recoveries=[r for r in control if r.get("event") == "recovery"],
                    faults=[r for r in control if r.get("event") == "fault"],
+                   numeric=[r for r in control if r.get("event") in ("numeric_rerun", "rollback")],
                    state=state, windows=windows, result=result)
 
     def costs(self) -> dict[str, float]:
@@ -180,11 +184,16 @@ class MeasuredRun:
         data = float(self.ledger.kept("data_seconds", counted_from).sum())
         productive = float(self.ledger.kept("step_seconds", counted_from).sum()) - data
         counted = [r for r in self.recoveries if r["time"] >= counted_from]
+        rollbacks = [r for r in self.numeric if r["event"] == "rollback" and r["time"] >= counted_from]
+        transient_reruns = sum(r.get("seconds") or 0.0 for r in self.numeric if r["event"] == "numeric_rerun"
+                               and r.get("verdict") == "transient" and r["time"] >= counted_from)
+        productive -= transient_reruns
         seconds = {
             "checkpoint_save": sum(s["loop_wait_seconds"] for s in self.stalls if s["time"] >= counted_from)
             + (self.result.get("final_checkpoint_wait_seconds") or 0.0),
-            "checkpoint_load": sum(r.get("reload_seconds") or 0.0 for r in counted),
-            "wasted_progress": self.ledger.replayed_seconds,
+            "checkpoint_load": sum(r.get("reload_seconds") or 0.0 for r in counted + rollbacks),
+            "wasted_progress": self.ledger.replayed_seconds + transient_reruns
+            + sum(r.get("wasted_seconds") or 0.0 for r in rollbacks),
             "infrastructure_recovery": sum((r.get("detect_and_teardown_seconds") or 0.0)
                                            + (r.get("reinit_seconds") or 0.0) for r in counted),
             "startup": sum(max(0.0, first - start) for (start, _), first in zip(self.windows,

@@ -205,15 +205,15 @@ class NumericGuard:
         return anomaly
 
     def after_rerun(self, anomaly: Anomaly, loss: float, grad_norm: float, first_pass: torch.Tensor,
-                    second_pass: torch.Tensor) -> str:
+                    second_pass: torch.Tensor, seconds: float = 0.0) -> str:
         """Collective. The verdict on the rerun's figures: "transient" (clean: a suspected SDC, recorded with
         the ranks whose own figures moved) or "reproducible" (the anomaly again). first_pass, second_pass:
-        this rank's own figures (local_figures) of each pass."""
+        this rank's own figures (local_figures) of each pass; seconds: the rerun's (wasted progress)."""
         again = self.window.judge(anomaly.step, loss, grad_norm)
         moved = self._ranks_that_moved(first_pass, second_pass)
         verdict = "reproducible" if again is not None else "transient"
         anomaly.rerun = {"verdict": verdict, "loss": loss, "grad_norm": grad_norm, "ranks_that_differed": moved,
-                         **({"kind": again[0]} if again else {})}
+                         "seconds": seconds, **({"kind": again[0]} if again else {})}
         if self.rank == 0:
             self.events.write("numeric_rerun", step=anomaly.step, anomaly=anomaly.kind, **anomaly.rerun)
             if verdict == "transient":
