@@ -25,6 +25,10 @@ CAUSES = (
           "restart"),
     Cause("deterministic", "the same exception type raised in the same frame at the same step (or start-up phase) "
           "as a failure recorded before in this launch", "stop"),
+    Cause("out_of_memory", "the rank raised an out-of-memory error (torch's OutOfMemoryError, MemoryError, a device's "
+          "'out of memory'), its first time at that step: a restart frees what fragmentation held; the same one "
+          "again is deterministic (the kernel's OOM killer leaves no exception: the recovery's evidence names it "
+          "from the node's cgroup count)", "restart"),
     Cause("data", "a numeric anomaly that comes back when its step is executed again on the same batch", "rollback"),
     Cause("transient", "anything else: a crash that a restart from the newest checkpoint may not meet again",
           "restart"),

@@ -25,6 +25,7 @@ _HARDWARE_TEXT = re.compile(r"uncorrectable ECC error|fallen off the bus|\bXid\b
 # The exception drill stands for a transient crash, also when it repeats (a crash loop from a flaky node, which
 # the budget by progress ends); the bug drill (InjectedBug) is a real deterministic failure to the rules.
 TRANSIENT_DRILL = "InjectedFault"
+_OOM_TYPES = ("OutOfMemoryError", "MemoryError")
 
 
 def fingerprint(error_type: str, frame: dict[str, Any] | None, step: int | None, phase: str) -> str:
@@ -48,4 +49,6 @@ def classify(record: dict[str, Any], seen_before: bool, gpu: dict[str, Any] | No
         return "transient", "an exception drill: a transient crash"
     if seen_before:
         return "deterministic", f"{record['fingerprint']}, a second time in this launch"
+    if record.get("error_type") in _OOM_TYPES or "out of memory" in record.get("message", "").lower():
+        return "out_of_memory", f"{record.get('error_type')}: {record.get('message', '')[:120]}"
     return "transient", "its first occurrence, and no sign of hardware or of a peer's failure"
