@@ -64,6 +64,7 @@ bench: install  ## every benchmark (~120 min on 2 cores), then the report bench/
 	$(PY) bench/startup.py
 	$(PY) bench/evaluate.py
 	$(PY) bench/straggler.py
+	$(PY) bench/numeric_faults.py
 	$(PY) bench/control_plane.py
 	$(PY) bench/network_faults.py
 	$(PY) bench/report.py

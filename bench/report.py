@@ -571,6 +571,32 @@ def straggler_section(s: dict) -> list[str]:
     ]
 
 
+def numeric_faults_section(n: dict) -> list[str]:
+    drills = n["drills"]
+    fingerprints = n["step_time_fingerprints_every_100_over_none"]
+    return [
+        "## Numeric faults — `bench/numeric_faults.py`", "",
+        "```bash", ".venv/bin/python bench/numeric_faults.py   # ~15 min", "```", "",
+        f"The demo's tiny model on 2 CPU ranks ({n['steps']} steps, each drill at step {n['fault_step']}; bitflip with "
+        "R = 2 replica groups of one rank each, fingerprints every 10 steps), against a clean run of the same shape. "
+        "Detection: the numeric_anomaly or sdc_found event's step minus the drill's. Steps lost: rolled back. The "
+        "cost: runs with the checks on and off, alternating, "
+        f"{n['rounds']} rounds; the fingerprints' cost at the default cadence (every 100 steps) is the extra "
+        "measured at every 10 steps, scaled by 10 / 100. docs/numeric-faults.md describes the mechanism.", "",
+        *table(["drill", "detected after (steps)", "steps lost", "samples skipped", "held-out loss / clean"],
+               [[name, str(d["detected_after_steps"]), str(d["steps_lost"]), str(d["samples_skipped"]),
+                 f"{d['heldout_loss_over_clean']:.3f}"] for name, d in drills.items()]),
+        *table(["cost", "value", "goal"], [
+            ["step time, numeric checks on / off (R = 1)", f"{n['step_time_checks_on_over_off']:.3f} "
+             f"(rounds {', '.join(f'{r:.3f}' for r in n['step_time_checks_on_over_off_rounds'])})",
+             goal(n["step_time_checks_on_over_off"], 1.01, at_least=False)],
+            ["step time, fingerprints every 100 steps / none (R = 2)", f"{fingerprints:.4f}",
+             goal(fingerprints, 1.01, at_least=False)],
+        ]),
+        "Figures as JSON: `bench/results/numeric_faults.json`.", "",
+    ]
+
+
 def planner_section() -> list[str]:
     lines = [
         "## Planner — `python -m pipelines plan`", "",
@@ -732,7 +758,7 @@ def main() -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     results = {name: load(f"{name}.json") for name in ("checkpoint", "recovery", "goodput", "staging", "data",
                                                          "startup", "evaluate", "pipeline_steps", "straggler",
-                                                         "control_plane")}
+                                                         "numeric_faults", "control_plane")}
     info = next((r["machine"] for r in results.values() if r and "machine" in r), None) or machine()
     lines = [
         "# Benchmarks", "",
@@ -747,6 +773,7 @@ def main() -> int:
                           ("goodput", goodput_section), ("staging", staging_section), ("data", data_section),
                           ("startup", startup_section), ("evaluate", evaluate_section),
                           ("pipeline_steps", pipeline_steps_section), ("straggler", straggler_section),
+                          ("numeric_faults", numeric_faults_section),
                           ("control_plane", lambda r: control_plane_section(r, load("control_plane_before.json")))):
         if results[name] is not None:
             lines += section(results[name])
