@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from trainer.checkpoint.format import (MANIFEST, committed_checkpoints, latest_valid_checkpoint, step_dir_name,
                                        verify_checkpoint, write_manifest)
@@ -179,3 +180,17 @@ def test_a_state_holding_a_nan_is_never_committed_and_a_finite_one_records_the_c
         manager.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_finite_check_stacks_flags_of_tensors_on_different_devices():
+    """On a GPU the state mixes devices: the shards on the GPU, AdamW's step counts and the last loss on the host
+    (the first H200 run failed its first save on it). The meta device stands in for the GPU here."""
+    from trainer.checkpoint.commit import nonfinite_flags
+
+    device = torch.device("meta")
+    state = {"model": {"w": torch.empty(4, device=device)}, "optim": {"w": {"step": torch.tensor(3.0)}},
+             "trainer": {"last_loss": torch.tensor(float("nan"))}, "rng": {"cpu": torch.zeros(8, dtype=torch.uint8)}}
+    paths, bad = nonfinite_flags(state, device)
+    assert paths == ["model.w", "optim.w.step", "trainer.last_loss"] and bad.shape == (3,) and bad.device == device
+    paths, bad = nonfinite_flags({k: v for k, v in state.items() if k != "model"}, torch.device("cpu"))
+    assert bad.tolist() == [False, True]

@@ -47,6 +47,18 @@ STALL_FIGURES = ("loop_wait_seconds", "handoff_seconds", "barrier_seconds", "pre
                  "memory_seconds", "memory_copies")
 
 
+def nonfinite_flags(state: dict[str, Any], device: torch.device) -> tuple[list[str], torch.Tensor]:
+    """(the paths of the state's floating-point tensors, a bool per path on `device`: it holds a NaN or an
+    infinity). The state mixes devices (on a GPU: the shards on it, AdamW's step counts and the RNG state on the
+    host), so each flag is moved to `device` before they are stacked."""
+    paths, flags = [], []
+    for path, value in flatten(state):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            paths.append(".".join(map(str, path)))
+            flags.append(torch.logical_not(torch.isfinite(value)).any().to(device))
+    return paths, torch.stack(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
+
+
 @dataclass
 class _InFlight:
     step: int
@@ -129,17 +141,12 @@ class FsxSaves:
         """Every rank checks its own shards in memory, before anything is written: what the manifest records,
         or None when a rank holds a NaN or an infinity (the save is refused: a checkpoint with one is never
         committed, so no resume and no rollback can take it up). One all-gather of a count per rank."""
-        paths, flags = [], []
-        for path, value in flatten(state):
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
-                paths.append(".".join(map(str, path)))
-                flags.append(torch.logical_not(torch.isfinite(value)).any())
-        bad = torch.stack(flags).to(self._device) if flags else torch.zeros(0, dtype=torch.bool, device=self._device)
+        paths, bad = nonfinite_flags(state, self._device)
         counts = [torch.zeros(1, dtype=torch.int64, device=self._device) for _ in range(dist.get_world_size())]
         dist.all_gather(counts, bad.sum().reshape(1).to(torch.int64))
         counts = [int(c) for c in counts]
         if not any(counts):
-            return {"ranks": len(counts), "tensors": len(flags), "finite": True}
+            return {"ranks": len(counts), "tensors": len(paths), "finite": True}
         mine = [p for p, b in zip(paths, bad.tolist()) if b]
         if mine:
             log.error("checkpoint step %d refused: this rank's %s hold(s) NaN or infinity%s", step,
