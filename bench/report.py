@@ -597,6 +597,34 @@ def numeric_faults_section(n: dict) -> list[str]:
     ]
 
 
+def gpu_smoke_section(g: dict | None) -> list[str]:
+    lines = ["## GPU smoke — `bench/gpu_smoke.sh`", "",
+             "For a lent H200: FSDP2 + NVRx async checkpointing on NCCL with the llama3-1b preset, async then sync "
+             "saves, an injected exception under in-process restart, then a NaN drill.", ""]
+    if g is None:
+        return lines + ["Not yet run: no GPU has been lent to this project.", ""]
+    runs = g["runs"]
+    rows = []
+    for name, run in runs.items():
+        for commit in run["commits"]:
+            rows.append([name, str(commit["step"]), f"{commit['mb'] / 1000:.1f}", f"{commit['loop_blocked_seconds']:.2f}",
+                         f"{commit['write_seconds']:.1f}"])
+    lines += [f"{when(g)}{g['device']}, torch {g['torch']}, NVRx {g['nvidia_resiliency_ext']}; {g['preset']}, sequence "
+              f"length {g['seq_len']}, batch {g['batch_size']}, {g['gpus']} GPU. {g['how']}", "",
+              f"First run: {g['first_run_finding']}", "",
+              *table(["run", "tokens/s (median of the logged steps from 5)", "finished"],
+                     [[name, f"{run['tokens_per_second_after_step_5']:,}", "yes" if run["finished"] else "no (time limit)"]
+                      for name, run in runs.items()]),
+              *table(["run", "save at step", "GB", "loop blocked (s)", "write (s)"], rows)]
+    for run in runs.values():
+        for recovery in run["recoveries"]:
+            lines += [f"In-process recovery on NCCL: reloaded step {recovery['reloaded_step']} from node memory, "
+                      f"{recovery['lost_steps']} steps lost, {recovery['recovery_seconds']:.1f} s ({recovery['cause']}).", ""]
+    return lines + ["The first save's loop wait is mostly the node-memory copy of the whole 12 GB state (a synchronous "
+                    "device-to-host copy and its hash, ~16 s); issue 44 takes it off the step's path.", "",
+                    "Figures as JSON: `bench/results/gpu_smoke.json`.", ""]
+
+
 def planner_section() -> list[str]:
     lines = [
         "## Planner — `python -m pipelines plan`", "",
@@ -780,9 +808,7 @@ def main() -> int:
         else:
             lines += [f"## {name}", "", f"No results yet: run `python bench/{name}.py`.", ""]
     lines += planner_section()
-    lines += ["## GPU smoke — `bench/gpu_smoke.sh`", "",
-              "For a lent H200: FSDP2 + NVRx async checkpointing on NCCL with a ~1 B-parameter model, async then sync, "
-              "then an injected exception under in-process restart. Not yet run: no GPU has been lent to this project.", ""]
+    lines += gpu_smoke_section(load("gpu_smoke.json"))
     OUT.write_text("\n".join(lines))
     print(OUT)
     return 0
