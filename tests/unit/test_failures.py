@@ -62,6 +62,11 @@ def test_each_failed_attempt_gets_its_sentence_and_a_drill_reads_as_such(tmp_pat
 def test_peer_errors_are_secondary_and_own_errors_are_not():
     assert is_lost_peer(GLOO_PEER_GONE)
     assert is_lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    # torchft's quorum call when the group's rank 0, which hosts its manager server, died (a CI run's crash-loop
+    # test: counted as this rank's own error, its second occurrence read as deterministic and stopped the group)
+    assert is_lost_peer(RuntimeError('status: Unknown, message: "transport error", details: [], metadata: '
+                                     'MetadataMap { headers: {} }'))
+    assert is_lost_peer(RuntimeError('status: Unavailable, message: "error trying to connect"'))
     assert not is_lost_peer(ValueError("loss is NaN at step 7"))
     assert not is_lost_peer(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 

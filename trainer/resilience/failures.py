@@ -33,9 +33,13 @@ from trainer.run.tail import read_last_records, read_new_lines
 log = logging.getLogger(__name__)
 
 # What a rank sees when another rank, not it, failed: its connection to the peer breaks, or a collective waits
-# past its timeout for a peer that is gone (gloo and NCCL wordings; torch's Dist*Error types).
+# past its timeout for a peer that is gone (gloo and NCCL wordings; torch's Dist*Error types). With replica
+# groups, torchft's quorum call goes to the manager server that its group's rank 0 hosts: when that rank dies,
+# the others' call fails with a gRPC status (tonic's wording: 'status: Unknown, message: "transport error"',
+# Unavailable, Cancelled, DeadlineExceeded).
 _LOST_PEER = re.compile(r"connection (reset|closed|refused)|broken pipe|socket closed|peer|timed out|timeout|"
-                        r"nccl.*(remote|abort|error)|recv.*fail|read.*fail", re.IGNORECASE)
+                        r"nccl.*(remote|abort|error)|recv.*fail|read.*fail|transport error|"
+                        r"status: (unavailable|cancelled|deadlineexceeded)", re.IGNORECASE)
 _LOST_PEER_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "ConnectionResetError",
                     "BrokenPipeError")
 # Fault drills as a sentence says how the rank failed.
