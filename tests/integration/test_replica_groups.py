@@ -263,11 +263,18 @@ TODAY = Path(__file__).resolve().parents[1] / "data" / "r1-today" / "losses.json
 
 @pytest.mark.parametrize("shape", ["1x2", "2x2"])
 def test_one_replica_group_trains_what_the_path_before_replica_groups_trained(tmp_path, token_dir, training_config,
-                                                                           shape):
+                                                                           shape, monkeypatch):
     """R = 1 is today's path, bit for bit: the losses of a clean run (one node of 2 ranks; 2 nodes of 2) equal
     those computed before replica groups existed (commit 32e85b0), made again once with the sample order of issue
-    40 (commit 9a17704; tests/data/r1-today: its make_fixture.py, the torch and transformers versions it ran with)."""
+    40 (commit 9a17704; tests/data/r1-today: its make_fixture.py, the torch and transformers versions it ran with).
+
+    Both sides run with the CPU kernels pinned to the baseline x86-64 instructions (the fixture's `env`: ATen's
+    dispatch, oneDNN's ISA, MKL's conditional numerical reproducibility): torch's kernels otherwise pick their
+    instructions by the host's CPU, and the same code's losses then differ in the last bits from host to host
+    (an AVX-512 host gave 1-2 ulps off the fixture made on another, for the code of either commit)."""
     today = json.loads(TODAY.read_text())
+    for name, value in today["env"].items():  # read by each training process's torch at its import
+        monkeypatch.setenv(name, value)
     # (straggler detection changes no loss: off, as for every 4-process run here)
     cfg = training_config(tmp_path, f"r1-{shape}", *today["settings"][-2:],
                           f"--training.num_nodes={shape.split('x')[0]}", "--faults.schedule=",

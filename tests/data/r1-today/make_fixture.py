@@ -6,9 +6,12 @@ replacement) changed the batches R = 1 trains — the one change of its losses t
 
     PYTHONPATH=. .venv/bin/python tests/data/r1-today/make_fixture.py /tmp/r1/work > out   # in that checkout
 
-The runs print their launchers' output too: losses.json is the last JSON object of `out`.
+The runs print their launchers' output too: losses.json is the last JSON object of `out`. It was made again at
+9a17704 with the CPU kernels pinned to baseline x86-64 instructions (ENV below, recorded as `env`; the test sets
+the same): the losses of unpinned kernels depend on the host's CPU in their last bits.
 """
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +29,9 @@ SHAPES = {"1x2": ["--training.num_nodes=1"], "2x2": ["--training.num_nodes=2"]}
 FAST = ["--training.batch_size=4", "--training.seq_len=32", "--training.warmup_steps=2", "--training.log_every=2",
         "--eval.max_batches=4", "--resilience.straggler_interval=5"]
 
+# torch, oneDNN and MKL read these when they load: set before any training process starts
+ENV = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_CBWR": "COMPATIBLE"}
+os.environ.update(ENV)
 work = Path(sys.argv[1])
 shutil.rmtree(work, ignore_errors=True)
 (work / "raw").mkdir(parents=True)
@@ -41,5 +47,5 @@ for shape, flags in SHAPES.items():
     losses[shape] = {str(r["step"]): r["loss"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")}
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 print(json.dumps({"commit": commit, "torch": version("torch"), "transformers": version("transformers"),
-                  "settings": FAST + ["--training.num_steps=8", "--checkpoint.interval_steps=4"],
+                  "settings": FAST + ["--training.num_steps=8", "--checkpoint.interval_steps=4"], "env": ENV,
                   "losses": losses}, indent=1))
