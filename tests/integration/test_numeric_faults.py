@@ -163,6 +163,25 @@ def test_a_flipped_bit_in_one_of_two_groups_rolls_both_back_to_the_last_agreed_s
     assert read_events(cfg.run_dir, "sdc_strike") == []  # without a majority nobody is named
 
 
+def test_a_nan_batch_at_two_groups_rolls_both_back_alike_and_their_parameters_stay_equal(tmp_path, token_dir,
+                                                                                         training_config):
+    """The loss is averaged across groups before the check: both groups judge the anomaly at the same step, go
+    back to their copy of the step before it and skip the same samples; the fingerprints agree afterwards."""
+    cfg = training_config(tmp_path, "nan2", *GROUPS, "--training.num_nodes=2", "--training.replica_groups=2",
+                          "--resilience.rollback_steps=2", "--resilience.skip_steps=2", "--faults.schedule=nan@6:rank=1")
+    result = run_local_training(cfg, token_dir)
+    assert result["steps"] == 12
+
+    rollbacks = read_events(cfg.run_dir, "rollback")
+    assert sorted((r["group"], r["anomaly_step"], r["reloaded_step"]) for r in rollbacks) == [(0, 6, 5), (1, 6, 5)]
+    skipped = read_events(cfg.run_dir, "data_skipped")
+    assert len({(s["start"], s["end"]) for s in skipped}) == 1 and {s["group"] for s in skipped} == {0, 1}
+    assert read_events(cfg.run_dir, "sdc_found") == []  # the fingerprints at steps 8 and 12 agree
+    assert all(math.isfinite(r["loss"]) for r in _metrics(cfg))
+    for _, folder in committed_checkpoints(cfg.checkpoint_dir):
+        check_checkpoint(folder)
+
+
 def test_a_flipped_bit_in_one_of_three_groups_heals_it_from_the_others_which_go_on(tmp_path, token_dir,
                                                                                    training_config):
     cfg = training_config(tmp_path, "bitflip3", *GROUPS, "--training.num_nodes=3", "--training.replica_groups=3",
