@@ -576,10 +576,12 @@ def numeric_faults_section(n: dict) -> list[str]:
     fingerprints = n["step_time_fingerprints_every_100_over_none"]
     return [
         "## Numeric faults — `bench/numeric_faults.py`", "",
-        "```bash", ".venv/bin/python bench/numeric_faults.py   # ~15 min", "```", "",
+        "```bash", ".venv/bin/python bench/numeric_faults.py   # ~11 min", "```", "",
         f"The demo's tiny model on 2 CPU ranks ({n['steps']} steps, each drill at step {n['fault_step']}; bitflip with "
-        "R = 2 replica groups of one rank each, fingerprints every 10 steps), against a clean run of the same shape. "
-        "Detection: the numeric_anomaly or sdc_found event's step minus the drill's. Steps lost: rolled back. The "
+        "R = 2 replica groups of one node of 2 ranks each, fingerprints every 10 steps), against a clean run of the "
+        "same shape. Detection: the numeric_anomaly or sdc_found event's step minus the drill's. Steps lost: applied "
+        "steps rolled back (node memory holds the step before a NaN or a spike, whose own step is never applied; "
+        "a flipped parameter goes back to the last step whose fingerprints agreed). The "
         "cost: runs with the checks on and off, alternating, "
         f"{n['rounds']} rounds; the fingerprints' cost at the default cadence (every 100 steps) is the extra "
         "measured at every 10 steps, scaled by 10 / 100. docs/numeric-faults.md describes the mechanism.", "",
