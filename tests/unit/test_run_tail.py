@@ -6,7 +6,7 @@ import json
 import os
 
 from trainer.run.events import append_record
-from trainer.run.tail import read_last_record, read_new_lines
+from trainer.run.tail import read_last_record, read_last_records, read_new_lines
 
 
 def test_whole_lines_after_the_offset_and_a_line_being_written_waits(tmp_path):
@@ -57,3 +57,18 @@ def test_the_last_record_is_read_from_the_end_and_can_be_the_last_before_a_time(
     assert read_last_record(path)["step"] == 20_000
     assert read_last_record(path, before=500.5)["step"] == 500
     assert read_last_record(path, before=1.0) is None and read_last_record(tmp_path / "absent") is None
+
+
+def test_since_stops_the_backward_read_at_the_first_older_block(tmp_path):
+    """A failing rank looks for its failure's twin since its launch began (trainer.resilience.failures): a long
+    history before that is never read, however much of it there is."""
+    path = tmp_path / "failures.jsonl"
+    records = [{"time": 1.0, "fingerprint": "twin"}] + [{"time": 10.0, "fingerprint": f"f{i}"} for i in range(200)] + [
+        {"time": 100.0, "fingerprint": f"g{i}"} for i in range(3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    def twin(record):
+        return record["fingerprint"] == "twin"
+
+    assert read_last_records(path, twin, 1, block=256) == [records[0]]  # found when the whole file is read
+    assert read_last_records(path, twin, 1, block=256, since=50.0) == []
+    assert read_last_records(path, lambda r: r["fingerprint"] == "g0", 1, block=256, since=50.0) == [records[-3]]

@@ -77,7 +77,10 @@ def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, s
                   "secondary": is_lost_peer(error), "frame": frame,
                   "traceback": "".join(traceback.format_list(frames[-TRACEBACK_FRAMES:]))[-TRACEBACK_CHARS:]}
         record["fingerprint"] = fingerprint(record["error_type"], frame, step, phase)
-        cause, evidence = classify(record, _seen_before(run_dir, record["fingerprint"]), gpu)
+        # A peer's error is judged as such whatever came before it: only a rank's own error looks for its twin
+        # (thousands of ranks see a peer's error at once; one or a few fail of their own).
+        seen = not record["secondary"] and _seen_before(run_dir, record["fingerprint"])
+        cause, evidence = classify(record, seen, gpu)
         decision = (decisions or parse_decisions(""))[cause]
         return EventLog(run_dir, rank).write("rank_failed", **record, cause=cause, evidence=evidence,
                                              decision=decision)
@@ -90,7 +93,7 @@ def _seen_before(run_dir: Path, fingerprint_: str) -> bool:
     """The same failure recorded earlier in this launch (since its start and the last give-up)."""
     since = max(launched_at_from_environment() or 0.0, _last_give_up(run_dir))
     return bool(read_last_records(RunDir(run_dir).failures_log, lambda r: r.get("fingerprint") == fingerprint_
-                                  and r.get("time", 0) >= since, 1))
+                                  and r.get("time", 0) >= since, 1, since=since))
 
 
 def _last_give_up(run_dir: Path) -> float:

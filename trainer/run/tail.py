@@ -37,8 +37,10 @@ def read_last_record(path: Path, before: float | None = None, block: int = 1 << 
 
 
 def read_last_records(path: Path, wanted: Callable[[dict[str, Any]], bool], count: int,
-                      block: int = 1 << 16) -> list[dict[str, Any]]:
-    """The last `count` records `wanted` accepts, oldest first, read backwards block by block from the file's end."""
+                      block: int = 1 << 16, since: float | None = None) -> list[dict[str, Any]]:
+    """The last `count` records `wanted` accepts, oldest first, read backwards block by block from the file's end;
+    with `since`, the reading stops at the block holding the first record older than it (the streams are
+    appended in time order, give or take the writers' clocks: the block's other records are still judged)."""
     found: list[dict[str, Any]] = []
     try:
         handle = Path(path).open("rb")
@@ -62,6 +64,8 @@ def read_last_records(path: Path, wanted: Callable[[dict[str, Any]], bool], coun
                     found.append(record)
                     if len(found) == count:
                         break
+                if since is not None and record.get("time", float("inf")) < since:
+                    end = 0  # everything before this block is older still
     return found[::-1]
 
 
