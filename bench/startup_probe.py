@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 
 from trainer.model.base import BaseWeightsReader, index_base_weights, load_base_weights, read_base_config
-from trainer.model.llama import build_model_on_meta, materialize_on, shard_model
+from trainer.config import TrainingConfig
+from trainer.model.llama import build_model_on_meta, materialize_on
+from trainer.model.parallelize import device_mesh, parallelize
+
+
+def _shard(model, world: int):
+    """The trainer's FSDP2 sharding in fp32 (the probe measures reads and memory, not speed)."""
+    training = TrainingConfig(nproc_per_node=world, mixed_precision_param="float32")
+    return parallelize(model, training, torch.device("cpu"), device_mesh(training, world, torch.device("cpu")))
 
 
 def _io() -> int:
@@ -97,7 +105,7 @@ def main() -> int:
         index = index_base_weights(args.model, config, hash_files=False) if rank == 0 else None
         box = [index]
         dist.broadcast_object_list(box, src=0)
-        model = shard_model(build_model_on_meta(config), mixed_precision=False)
+        model = _shard(build_model_on_meta(config), world)
         materialize_on(model, torch.device("cpu"))
         reader = _TurnReader(args.model, box[0], turns, rank)
         load_base_weights(model, args.model, box[0], reader=reader)
@@ -112,7 +120,7 @@ def main() -> int:
                                                  attn_implementation="sdpa", dtype=torch.float32)
         storage = _io() - before
         turns.done(rank)
-        model = shard_model(model, mixed_precision=False)
+        model = _shard(model, world)
     seconds = time.perf_counter() - started
     shard = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
     mine = {"rank": rank, "storage_bytes_read": storage, "peak_rss_bytes": _status("VmHWM") - held_before,

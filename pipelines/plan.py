@@ -105,7 +105,7 @@ def costs_from_config(cfg) -> tuple[dict[str, float], list[str]]:
         costs["startup_seconds"] = throughput_seconds(1.1 * shape.weights_bytes, throughput)
     shard_ranks = t.num_nodes * t.nproc_per_node // t.replica_groups
     memory = gpu_memory_bytes(shape, shard_ranks=shard_ranks, batch_size=t.batch_size, seq_len=t.seq_len,
-                              activation_checkpointing=cfg.model.activation_checkpointing)
+                              activation_checkpointing=cfg.training.activation_checkpointing != "none")
     source = f"config.json of {cfg.base_model_dir}" if cfg.model.init_from else f"preset {cfg.model.preset}"
     lines = [f"model: {shape.parameters / 1e9:.2f} B parameters ({source}); training state {gib(shape.state_bytes)}: "
              f"an FSx save or reload {state:.0f} s at {throughput:g} MB/s"

@@ -30,6 +30,9 @@ def clean_losses(tmp_path_factory, token_dir, training_config):
 
 @pytest.mark.parametrize("fault, extra, source, reloaded", [
     ("sigkill@5:rank=1", [], "memory", {5}),  # a process fault: the node's memory holds step 5, copied before
+    # The copy off the step's critical path (trainer.checkpoint.node_copy): step 5's copy may have been in flight
+    # when the process died, and then the node holds step 4.
+    ("sigkill@5:rank=1", ["--checkpoint.memory_copy=async"], "memory", {4, 5}),
     # Rank 1's node memory is gone; rank 0 keeps its replica. Replication runs beside the next step, so the
     # replica of the step that had just completed may still have been in flight: step 5, or step 4.
     ("node_loss@5:rank=1", [], "peer", {4, 5}),

@@ -1,12 +1,22 @@
 """A fresh AdamW's state written directly (trainer.model.optimizer.initialize_state) must be exactly what
-torch.distributed.checkpoint's get_state_dict creates with its zero-gradient step, and train the same after."""
+torch.distributed.checkpoint's get_state_dict creates with its zero-gradient step, and train the same after, for
+each implementation; the no-decay groups hold the parameters optimizer.no_decay names."""
 
 import copy
 
+import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+from trainer.config import OptimizerConfig, TrainingConfig
 from trainer.model.optimizer import build_optimizer, initialize_state
+
+CPU = torch.device("cpu")
+
+
+def build(model, implementation: str = "auto", no_decay=("nothing",)):
+    return build_optimizer(model, TrainingConfig(lr=1e-2, weight_decay=0.1),
+                           OptimizerConfig(implementation=implementation, no_decay=list(no_decay)), CPU)
 
 
 def _model() -> torch.nn.Module:
@@ -22,11 +32,12 @@ def _train_step(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def test_the_direct_state_equals_the_zero_gradient_step_and_trains_the_same():
+@pytest.mark.parametrize("implementation,no_decay", [("auto", ()), ("fused", ()), ("foreach", ("bias",))])
+def test_the_direct_state_equals_the_zero_gradient_step_and_trains_the_same(implementation, no_decay):
     torch_model = _model()
     ours_model = copy.deepcopy(torch_model)
-    torch_optimizer = build_optimizer(torch_model, lr=1e-2, weight_decay=0.1)
-    ours_optimizer = build_optimizer(ours_model, lr=1e-2, weight_decay=0.1)
+    torch_optimizer = build(torch_model, implementation, no_decay)
+    ours_optimizer = build(ours_model, implementation, no_decay)
     _init_optim_state(torch_optimizer)
     initialize_state(ours_optimizer)
 
@@ -34,7 +45,8 @@ def test_the_direct_state_equals_the_zero_gradient_step_and_trains_the_same():
     assert theirs["state"].keys() == ours["state"].keys()
     for key, expected in theirs["state"].items():
         for name, value in expected.items():
-            assert ours["state"][key][name].dtype == value.dtype and torch.equal(ours["state"][key][name], value)
+            mine = ours["state"][key][name]
+            assert mine.dtype == value.dtype and mine.device == value.device and torch.equal(mine, value)
     for a, b in zip(torch_model.parameters(), ours_model.parameters()):
         assert torch.equal(a, b)  # the zero-gradient step changed no weight
 
@@ -47,7 +59,7 @@ def test_the_direct_state_equals_the_zero_gradient_step_and_trains_the_same():
 
 def test_state_that_exists_is_left_alone():
     model = _model()
-    optimizer = build_optimizer(model, lr=1e-2, weight_decay=0.1)
+    optimizer = build(model)
     _train_step(model, optimizer)
     before = copy.deepcopy(optimizer.state_dict())
     initialize_state(optimizer)
@@ -55,3 +67,23 @@ def test_state_that_exists_is_left_alone():
     for key, values in before["state"].items():
         for name, value in values.items():
             assert torch.equal(after["state"][key][name], value)
+
+
+def test_the_no_decay_groups_hold_the_parameters_they_name():
+    from trainer.model.llama import build_model
+    from transformers import LlamaConfig
+
+    model = build_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2), seed=0)
+    optimizer = build_optimizer(model, TrainingConfig(weight_decay=0.1), OptimizerConfig(), CPU)
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_decay = {group["weight_decay"]: sorted(names[id(p)] for p in group["params"]) for group in optimizer.param_groups}
+    assert set(by_decay) == {0.1, 0.0}
+    assert by_decay[0.0] == sorted(["model.embed_tokens.weight", "model.norm.weight",
+                                    *(f"model.layers.{i}.{norm}.weight" for i in range(2)
+                                      for norm in ("input_layernorm", "post_attention_layernorm"))])
+    assert all(".mlp." in name or ".self_attn." in name or name == "lm_head.weight" for name in by_decay[0.1])
+    assert len(by_decay[0.0]) + len(by_decay[0.1]) == len(names)
+
+    every = build_optimizer(model, TrainingConfig(weight_decay=0.1), OptimizerConfig(no_decay=[]), CPU)
+    assert [group["weight_decay"] for group in every.param_groups] == [0.1]

@@ -97,6 +97,11 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------------
 
+    def before_state_changes(self) -> None:
+        """The optimizer step or a load is about to write the state: a node-memory copy in flight has read it."""
+        if self._memory is not None:
+            self._memory.before_state_changes()
+
     def save(self, step: int, state_fn: Callable[[], dict[str, Any]], *, last: bool = False) -> bool:
         """Once per step: the node-memory copy when due, finish a completed background write, and an FSx save
         when the interval (or last) says so. True when a save to FSx was started."""

@@ -15,8 +15,10 @@ import logging
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from trainer.checkpoint.node_copy import BackgroundCopy
 from trainer.checkpoint.node_store import RankStore, StoredCopy, node_store_folder
 from trainer.checkpoint.peer import PeerReplicator, receive_replica, send_replica
 from trainer.checkpoint.state_bytes import StateMismatch, check_fits, restore
@@ -26,7 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class MemoryTier:
-    def __init__(self, cfg: CheckpointConfig, run_id: str, rank: int, world_size: int, local_world_size: int):
+    def __init__(self, cfg: CheckpointConfig, run_id: str, rank: int, world_size: int, local_world_size: int,
+                 device: torch.device = torch.device("cpu")):
         self.interval_steps = cfg.memory_interval_steps
         self.rank, self.world_size = rank, world_size
         self.folder = node_store_folder(cfg.memory_dir, run_id)
@@ -47,6 +50,11 @@ class MemoryTier:
             log.info("checkpoint.peer_replica: one node only, so no peer replica (node memory and FSx only)")
         self.last_save_seconds = 0.0
         self.last_saved_step: int | None = None
+        # checkpoint.memory_copy: off the step's critical path, or in it (trainer.checkpoint.node_copy)
+        copy_async = cfg.memory_copy == "async" or (cfg.memory_copy == "auto" and device.type == "cuda")
+        self.copier = BackgroundCopy(self.store, device, cfg.background_nice,
+                                     after_commit=self.replicator.replicate if self.replicator else lambda copy: None
+                                     ) if copy_async else None
 
     def due(self, step: int) -> bool:
         """Every interval_steps, once per step (the loop's last save asks again for the same step)."""
@@ -55,6 +63,13 @@ class MemoryTier:
     def save(self, step: int, state: dict[str, Any]) -> None:
         started = time.perf_counter()
         self.last_saved_step = step
+        if self.copier is not None:
+            self.copier.start(step, state)
+            if self.wait_for_replica:
+                self.copier.wait()
+                self.replicator.wait()
+            self.last_save_seconds = time.perf_counter() - started
+            return
         if self.replicator is not None:
             self.replicator.wait()  # the slot the last round sends is never the one overwritten now
         copy = self.store.save(step, state)
@@ -63,6 +78,19 @@ class MemoryTier:
             if self.wait_for_replica:
                 self.replicator.wait()
         self.last_save_seconds = time.perf_counter() - started
+
+    def before_state_changes(self) -> None:
+        """Before the optimizer step or a load writes the state a copy in flight reads."""
+        if self.copier is not None:
+            self.copier.before_state_changes()
+
+    def settle(self) -> None:
+        """The copy in flight committed (or failed: logged, the node holds the step before)."""
+        if self.copier is not None:
+            try:
+                self.copier.wait()
+            except Exception as err:  # noqa: BLE001 - the older copy, or FSx, is what recovers then
+                log.warning("node memory: the copy in flight failed: %s", err)
 
     # -- recovery ------------------------------------------------------------------------------------
 
@@ -76,6 +104,7 @@ class MemoryTier:
         Candidates come from the slots' meta.json alone; only the copies a restore reads are verified, so a
         restart hashes one copy per rank, not four. A copy that fails its checksum drops that step (with a
         log line) and the next older candidate is tried."""
+        self.settle()
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, (self.store.own_steps(), self.store.replica_steps()))
         holder_of = {r: (r + self.ranks_per_node) % self.world_size for r in range(self.world_size)}
@@ -138,6 +167,7 @@ class MemoryTier:
 
     def drop_after(self, step: int) -> None:
         """This rank's copies and the replica it holds, of every step after `step`, are gone."""
+        self.settle()
         if self.replicator is not None:
             self.replicator.wait()  # no round still sends a copy of the abandoned branch
         self.store.drop_after(step)
@@ -145,5 +175,7 @@ class MemoryTier:
 
     def close(self, wait: bool = True) -> None:
         """wait=False after a fault: a replica round in flight is dropped (the peer may be gone)."""
+        if self.copier is not None:
+            self.copier.close(wait=wait)
         if self.replicator is not None:
             self.replicator.close(wait=wait)

@@ -211,6 +211,15 @@ class RankStore:
 
     def save(self, step: int, state: dict[str, Any]) -> StoredCopy:
         """Copy the state's local shards into the next slot (committed when this returns)."""
+        meta, layout, values = self.describe(step, state)
+        return self.write(meta, layout, values)
+
+    def write(self, meta: dict[str, Any], layout: list[dict[str, Any]], values: list[Any]) -> StoredCopy:
+        """Copy `values` (host tensors, or device tensors copied as they are read) into the next slot and commit."""
+        return self.own.write(meta, lambda buffer: copy_and_checksum(layout, values, buffer))
+
+    def describe(self, step: int, state: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], list[Any]]:
+        """(meta.json less its checksum, the layout of this copy, the leaves to copy) of the state's local shards."""
         entries = list(flatten(state))
         key = tuple((path, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (path,)
                     for path, v in entries)
@@ -223,7 +232,7 @@ class RankStore:
 
         meta = {"format_version": _FORMAT_VERSION, "step": step, "rank": self.rank, "world_size": self.world_size,
                 "nbytes": nbytes, "layout": layout}
-        return self.own.write(meta, lambda buffer: copy_and_checksum(layout, values, buffer))
+        return meta, layout, values
 
     def _usable(self, meta: dict[str, Any], rank: int) -> bool:
         """Written by `rank` in a job of this world size (a store is never shared across layouts)."""

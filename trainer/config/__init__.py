@@ -18,10 +18,11 @@ from trainer.config.resilience import FaultsConfig, ResilienceConfig
 from trainer.config.rules import ConfigError, check_s3_uri
 from trainer.config.data import DataConfig, DatasetConfig
 from trainer.config.model import MODEL_PRESETS, ModelConfig
-from trainer.config.training import CheckpointConfig, RunConfig, TrainingConfig
+from trainer.config.training import CheckpointConfig, OptimizerConfig, RunConfig, TrainingConfig
 from trainer.config.tree import Config
 
 __all__ = ["CONFIG_DIR", "Config", "ConfigError", "CheckpointConfig", "DataConfig", "DatasetConfig", "EvalConfig",
            "FaultsConfig", "KubernetesConfig", "LocalConfig", "MODEL_PRESETS", "MlflowConfig", "ModelConfig",
+           "OptimizerConfig",
            "ResilienceConfig", "RunConfig", "TrainingConfig", "check_s3_uri", "config_from_dict", "config_from_yaml_text",
            "load_config", "merge_overrides", "parse_overrides", "resolve_config_path"]

@@ -98,7 +98,13 @@ def _coerce(name: str, annotation: Any, value: Any) -> Any:
     raise AssertionError(f"unsupported annotation {annotation!r} for {name}")
 
 
+# Keys a release moved: a config that still names one is told where it went.
+MOVED_KEYS = {"model.activation_checkpointing": "training.activation_checkpointing (none, full or selective)"}
+
+
 def _unknown(kind: str, name: str, valid: list[str]) -> ConfigError:
+    if name in MOVED_KEYS:
+        return ConfigError(f"{name} moved to {MOVED_KEYS[name]}")
     return ConfigError(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(valid)}")
 
 

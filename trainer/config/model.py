@@ -46,9 +46,6 @@ class ModelConfig:
     """Vocabulary size of a model trained from scratch; 0 means the tokenizer's (the built-in byte tokenizer has
     258). Ignored with init_from (the base model's config.json has it)."""
 
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass (less memory, ~30 % more compute)."""
-
     def __post_init__(self) -> None:
         require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {sorted(MODEL_PRESETS)}")
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0")

@@ -3,7 +3,7 @@ trainer.config.model; resilience and faults: trainer.config.resilience)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from trainer.config.rules import RUN_ID_PATTERN, check_s3_uri, require
@@ -98,6 +98,47 @@ class TrainingConfig:
     """Wall-clock limit for one training launch; the step fails when it is exceeded (a deadline: not relaunched;
     on EKS the TrainJob's activeDeadlineSeconds)."""
 
+    # -- throughput (trainer.model.parallelize; docs/throughput.md) ----------------------------------------------
+
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile each decoder block and the loss's chunk (inductor). auto: on CUDA, off on the CPU (its compile
+    time outweighs a CPU run's gain). The first steps of every start pay the compile (~1 min for 8B)."""
+
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in the backward pass instead of keeping them: full (every decoder layer), selective
+    (see selective_ac), none. Less memory for more compute; at sequence length 8,192 an 8B model needs it."""
+
+    selective_ac: int | Literal["op"] = "op"
+    """With activation_checkpointing=selective: op (keep the outputs of attention and of every other matmul,
+    recompute the rest, as torchtitan's op-level policy does) or N (checkpoint every N-th decoder layer fully)."""
+
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
+    """dtype FSDP2 gathers the parameters in for the forward and backward (the master weights and AdamW's state
+    stay fp32). auto: bfloat16 on CUDA, float32 on the CPU (its bf16 matmuls are slower than fp32)."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the gradients' reduce-scatter (and all-reduce across replicas): float32 sums exactly what
+    bfloat16 would round; bfloat16 halves the gradient traffic."""
+
+    reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP2's reshard_after_forward: always frees each block's gathered parameters after its forward (gathered
+    again for the backward: least memory), never keeps them (no second all-gather: more memory), default: always
+    except the root (its parameters are the backward's first need), as torchtitan does."""
+
+    reduce_gradients: Literal["per_step", "per_micro_batch"] = "per_step"
+    """With grad_accum_steps > 1: per_step reduce-scatters the gradients once per optimizer step (FSDP2's
+    set_requires_gradient_sync: the micro-batches accumulate unsharded gradients, one parameter-sized buffer in
+    param dtype per rank); per_micro_batch reduce-scatters after each (least memory, N times the traffic)."""
+
+    data_parallel_replicate_degree: int = 1
+    """Native HSDP: the ranks form a (replicate x shard) mesh; FSDP2 shards each parameter over the shard
+    dimension and all-reduces the gradients over this many replicas. 1: FSDP over every rank. Not with
+    replica_groups > 1 (torchft's groups are the replicas then: docs/throughput.md says when each fits)."""
+
+    peak_tflops: float = 0.0
+    """The device's dense bf16 peak (TFLOP/s) that mfu is measured against; 0: from the device's name (H100,
+    H200, B200, B300: trainer.observe.flops). Without either (the CPU), tflops_per_gpu is reported, mfu not."""
+
     def __post_init__(self) -> None:
         require(0 <= self.prometheus_port <= 65535 - 64, "training.prometheus_port", "must be in [0, 65471]")
         for name in ("num_steps", "batch_size", "seq_len", "grad_accum_steps", "loss_chunk", "nproc_per_node",
@@ -111,6 +152,35 @@ class TrainingConfig:
         require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
         require(self.weight_decay >= 0, "training.weight_decay", "must be >= 0")
         require(self.grad_clip >= 0, "training.grad_clip", "must be >= 0 (0 disables clipping)")
+        require(self.selective_ac == "op" or self.selective_ac >= 1, "training.selective_ac",
+                "must be op or a layer interval >= 1")
+        require(self.peak_tflops >= 0, "training.peak_tflops", "must be >= 0 (0: from the device's name)")
+        replicate = self.data_parallel_replicate_degree
+        require(replicate >= 1, "training.data_parallel_replicate_degree", "must be >= 1")
+        require(replicate == 1 or self.replica_groups == 1, "training.data_parallel_replicate_degree",
+                f"={replicate} and training.replica_groups={self.replica_groups} both make replicas of the model: "
+                "choose one (replica_groups: torchft, a fault stops one group; data_parallel_replicate_degree: "
+                "native HSDP, a fault restarts the job; docs/throughput.md)")
+        ranks = self.nproc_per_node * self.num_nodes
+        require(ranks % replicate == 0, "training.data_parallel_replicate_degree",
+                f"={replicate} must divide the job's {ranks} ranks (training.nproc_per_node x training.num_nodes)")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW's implementation and which parameters it decays (its lr, weight decay and clipping: training)."""
+
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    """fused: one kernel per parameter group (CUDA, and the CPU); foreach: batched per group; for_loop: a
+    parameter at a time. auto: fused on CUDA, torch's own default on the CPU (the path the CPU tests compare)."""
+
+    no_decay: list[str] = field(default_factory=lambda: ["norm", "bias", "embed_tokens"])
+    """Parameters whose name contains any of these are not weight-decayed (norms, biases and the embeddings,
+    as GPT-3 and Llama train); [] decays every parameter."""
+
+    def __post_init__(self) -> None:
+        require(all(isinstance(name, str) and name for name in self.no_decay), "optimizer.no_decay",
+                f"must be a list of non-empty name fragments, got {self.no_decay!r}")
 
 
 @dataclass
@@ -167,6 +237,13 @@ class CheckpointConfig:
     """Node-memory tier: every this many steps each rank copies its state into node-local shared memory that
     outlives the worker process (double buffered, checksummed), so a restarted worker resumes from it without
     reading the file system. 0 = off."""
+
+    memory_copy: Literal["auto", "async", "sync"] = "auto"
+    """How the node-memory copy runs (trainer.checkpoint.node_copy). async: off the step's critical path (on CUDA a
+    side stream into pinned memory, then a thread hashes it into node memory; the next optimizer step waits only
+    for the device-to-host copy); a fault while a copy is in flight replays one step more. sync: the loop copies
+    and hashes before the next step. auto: async on CUDA, sync on the CPU, where the thread would take cores the
+    ranks train on (bench/overhead.py measures both)."""
 
     memory_dir: str = "/dev/shm/resilient-train"
     """Where the node-memory tier lives: a memory-backed folder (/dev/shm here; on EKS the runtime's

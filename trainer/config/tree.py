@@ -19,7 +19,7 @@ from trainer.config.rules import is_s3_uri, require, staged_folder_name
 from trainer.config.timeouts import check_timeouts
 from trainer.config.data import DataConfig
 from trainer.config.model import ModelConfig
-from trainer.config.training import CheckpointConfig, RunConfig, TrainingConfig
+from trainer.config.training import CheckpointConfig, OptimizerConfig, RunConfig, TrainingConfig
 from trainer.run.run_dir import RunDir
 
 
@@ -34,6 +34,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)

@@ -32,9 +32,11 @@ from trainer.observe import logs
 from trainer.config.decisions import parse_decisions
 from trainer.resilience.budget import EscalateToLauncher, RestartBudgetExhausted
 from trainer.resilience.node_exit import in_a_node_of_many, kill_this_node
+from trainer.resilience import flight_recorder
 from trainer.resilience.failures import record_failure, record_sigterm
 from trainer.resilience.in_process import InProcessAttempt, run_with_in_process_restart
 from trainer.resilience.phases import current_phase
+from trainer.run.events import current_attempt
 
 log = logging.getLogger("trainer")
 
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
             finished = True
         except Exception as err:  # the rank's own record of how it failed (trainer.resilience.failures)
+            flight_recorder.dump(cfg.run_dir, current_attempt(), rank)  # its last collectives, for the recovery
             failure = record_failure(cfg.run_dir, rank, err, current_phase(), trainer.step if trainer is not None
                                      else None, parse_decisions(cfg.resilience.decisions), _gpu_health(trainer))
             if failure is not None:

@@ -43,7 +43,8 @@ from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_GENERATI
 from trainer.evaluate.evaluator import Evaluator
 from trainer.evaluate.heldout import Ranks
 from trainer.model.base import BASE_INDEX, BaseModelError, index_base_weights, read_base_config, read_index
-from trainer.model.llama import build_model, build_model_on_meta, llama_config_of, materialize_on, shard_model
+from trainer.model.llama import build_model, build_model_on_meta, llama_config_of, materialize_on
+from trainer.model.parallelize import device_mesh, parallelize
 from trainer.model.optimizer import build_optimizer, initialize_state
 from trainer.observe import logs
 from trainer.observe.progress import ProgressReporter
@@ -54,9 +55,11 @@ from trainer.resilience.faults import startup_hang_drill
 from trainer.resilience.hooks import ResilienceHooks
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.resilience.phases import PhaseWatchdog, exit_hung, startup_timeouts
+from trainer.resilience import flight_recorder
+from trainer.resilience.mesh_replicas import MeshReplicas
 from trainer.resilience.replica_groups import Single, group_of_environment, replica_groups_for
 from trainer.resilience.worker_clock import worker_started_at
-from trainer.run.events import EventLog
+from trainer.run.events import EventLog, current_attempt
 from trainer.run.history import ControlState, control_state, launched_at_from_environment
 from trainer.run.lease import Fence, RunFolderBusy, RunLease
 from trainer.run.run_dir import RunDir
@@ -105,6 +108,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     timer = _PhaseTimer()  # where a (re)start's time goes: recorded with the launch
     prefetch = started_from_environment(cfg.checkpoint_dir, cfg.checkpoint)
     watchdog = _start_watchdog(cfg, data_dir, step_of)
+    flight_recorder.enable(cfg.run_dir, current_attempt())  # before the process groups: they read it
     with watchdog.phase("rendezvous"):
         rank, world_size, device = init_distributed(cfg, in_process)
     watchdog.enter("process_group")
@@ -133,16 +137,13 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     # memory (resume() fills them; with neither a copy nor a base model, it initialises them after all).
     weights_pending = base_weights is not None or a_resume_is_likely(cfg, world_size, device)
     model = build_model_on_meta(model_config) if weights_pending else build_model(model_config, cfg.run.seed)
-    if cfg.model.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = device_mesh(cfg.training, world_size, device)
+    model = parallelize(model if weights_pending else model.to(device), cfg.training, device, mesh)
     if weights_pending:
-        model = shard_model(model, mixed_precision=device.type == "cuda")
         materialize_on(model, device)
-    else:
-        model = shard_model(model.to(device), mixed_precision=device.type == "cuda")
     model.train()
     timer.done("model")
-    optimizer = build_optimizer(model, cfg.training.lr, cfg.training.weight_decay)
+    optimizer = build_optimizer(model, cfg.training, cfg.optimizer, device)
     initialize_state(optimizer)
     batches = TokenBatches.open(data_dir, "train", cfg.training.seq_len, cfg.training.batch_size, cfg.run.seed)
     timer.done("optimizer_and_data")
@@ -150,11 +151,12 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, rank)
     ckpt = cfg.checkpoint
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    memory = (MemoryTier(ckpt, cfg.run.run_id, rank, world_size, ranks_per_node)
+    memory = (MemoryTier(ckpt, cfg.run.run_id, rank, world_size, ranks_per_node, device)
               if ckpt.enabled and ckpt.memory_interval_steps else None)
     # This launch's start (the train step's); started by hand: the run's first process, else this one.
     launched_at = launched_at_from_environment() or history.first_process_started_at or worker_started_at()
-    replica_groups = replica_groups_for(cfg, rank, world_size, events, device)
+    replica_groups = (MeshReplicas(rank, world_size, mesh, cfg.resilience.replica_check_interval, events, device)
+                      if mesh.ndim == 2 else replica_groups_for(cfg, rank, world_size, events, device))
     resilience = ResilienceHooks(cfg, rank, world_size, events, device, in_process=in_process, telemetry=telemetry,
                                  global_rank=global_rank,
                                  node_memory=memory.store if memory else None, launched_at=launched_at,

@@ -27,7 +27,12 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarra
     gradient is what tells it when they are anomalous."""
     t = training_cfg
     loss_sum = torch.zeros((), device=device)
-    for inputs, labels in micro_batches:
+    # per_step: the micro-batches before the last accumulate unsharded gradients, and the last one's backward
+    # reduce-scatters their sum once (training.reduce_gradients).
+    once = t.reduce_gradients == "per_step" and len(micro_batches) > 1 and hasattr(model, "set_requires_gradient_sync")
+    for index, (inputs, labels) in enumerate(micro_batches):
+        if once:
+            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         inputs = torch.from_numpy(inputs).to(device)
         labels = torch.from_numpy(labels).to(device)
         loss = drills.poison(model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk), first_sample,
@@ -36,6 +41,15 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarra
         loss_sum += loss.detach()
     drills.flip(model, step)
     return loss_sum, torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def step_extras(metrics: dict[str, float]) -> str:
+    """The progress line's MFU and CUDA memory, where the step measured them."""
+    extras = f" mfu {metrics['mfu']:.1%}" if "mfu" in metrics else ""
+    if "cuda_max_allocated_gib" in metrics:
+        extras += (f" mem {metrics['cuda_max_allocated_gib']:.1f}/{metrics['cuda_max_reserved_gib']:.1f} GiB"
+                   f" retries {metrics['cuda_alloc_retries']}")
+    return extras
 
 
 def total(norm: torch.Tensor) -> torch.Tensor:

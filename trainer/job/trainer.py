@@ -28,10 +28,11 @@ from trainer.data.batches import skipped_ranges
 from trainer.config import Config
 from trainer.job.numeric_recovery import NumericRecovery, past_skipped
 from trainer.job.startup import start_process
-from trainer.job.step import MetricsWriter, clip, forward_backward, local, total
+from trainer.job.step import MetricsWriter, clip, forward_backward, local, step_extras, total
 from trainer.model.base import load_base_weights
 from trainer.model.llama import build_model, copy_initial_weights
 from trainer.model.optimizer import initialize_state
+from trainer.observe.flops import StepFigures
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.resilience.numerics import local_figures
 from trainer.run.lease import check_fence_of_this_process
@@ -56,9 +57,8 @@ class Trainer:
         self.cfg = cfg
         self.in_process = in_process
         self.data_dir = Path(data_dir)
-        self.step = 0  # optimizer steps completed
-        self.next_sample = 0  # the global sample index the next step starts at (trainer.data.batches)
-        self.last_loss = float("nan")
+        # optimizer steps completed; the global sample index the next step starts at (trainer.data.batches)
+        self.step, self.next_sample, self.last_loss = 0, 0, float("nan")
         started = start_process(cfg, self.data_dir, in_process, step_of=lambda: self.step)
         # the process in its job
         self.rank, self.world_size, self.device = started.rank, started.world_size, started.device
@@ -78,6 +78,8 @@ class Trainer:
         # the sample windows never trained (rolled back and skipped: trainer.job.numeric_recovery), run-wide
         self.skip_windows = [list(window) for window in self.resilience.history.skip_windows]
         self.numeric_recovery = NumericRecovery(self, self.resilience.history.rollbacks)
+        self.throughput = StepFigures(self.model, cfg.training.seq_len, self.data_parallel_ranks, self.device,
+                                      cfg.training.peak_tflops)  # mfu, TFLOP/s and CUDA memory per step
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -94,10 +96,10 @@ class Trainer:
                 "rng": {f"rank{self.rank}": rng}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.checkpointer.before_state_changes()
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
-        self.step = int(state["trainer"]["step"])
-        self.last_loss = float(state["trainer"]["last_loss"])
+        self.step, self.last_loss = int(state["trainer"]["step"]), float(state["trainer"]["last_loss"])
         # A checkpoint written before the sample order was kept (it has no data.next_sample) continues at the
         # position its steps would have reached at this global batch.
         stored = state.get("data", {}).get("next_sample")
@@ -117,6 +119,7 @@ class Trainer:
                 "optim": [{k: local(v) for k, v in self.optimizer.state[p].items()} for p in params]}
 
     def load_live_state(self, state: dict[str, Any]) -> None:
+        self.checkpointer.before_state_changes()
         with torch.no_grad():
             for p, value, optim in zip(self.model.parameters(), state["params"], state["optim"]):
                 local(p).copy_(value)
@@ -222,6 +225,7 @@ class Trainer:
             clip(self.model, norm, t.grad_clip)
             committed = self.replica_groups.should_commit(self.step)
             if committed:
+                self.checkpointer.before_state_changes()
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if not committed:
@@ -242,7 +246,7 @@ class Trainer:
                 # what this step trained, and what the groups missing from it did not (replica groups)
                 "samples": self.global_batch - samples_skipped, "samples_skipped": samples_skipped,
                 "grad_norm": float(grad_norm), "step_seconds": seconds, "data_seconds": data_seconds,
-                "tokens_per_second": tokens / seconds,
+                "tokens_per_second": tokens / seconds, **self.throughput.step(tokens, seconds),
                 **self.batches.position(first_sample, self.next_sample),
                 **({"skipped_samples": skipped} if skipped else {}), **self.replica_groups.figures(),
                 **({"replicas_equal": replicas_equal} if replicas_equal is not None else {})}
@@ -301,9 +305,9 @@ class Trainer:
                 if self.replica_groups.writes_run_files:  # one group writes each step's line
                     writer.write(metrics)
                 if self.step % self.cfg.training.log_every == 0 or self.step == 1:
-                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s", self.step,
+                    log.info("step %d/%d loss %.4f lr %.2e grad_norm %.3f %.0f tok/s %.1f TFLOP/s/GPU%s", self.step,
                              self.cfg.training.num_steps, metrics["loss"], metrics["lr"], metrics["grad_norm"],
-                             metrics["tokens_per_second"])
+                             metrics["tokens_per_second"], metrics["tflops_per_gpu"], step_extras(metrics))
                 self.interval_planner.before_save(self.step, metrics["step_seconds"])
                 save_started = time.perf_counter()
                 with self.resilience.section("checkpoint_wait"):
@@ -335,8 +339,7 @@ class Trainer:
 
     def close(self, wait_for_checkpoint: bool = True, peers_alive: bool = True) -> None:
         """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped.
-        peers_alive=False: whatever waits on another rank (a peer replica round) is dropped — a node lost
-        mid-round never answers, and waiting for it would hang this rank instead of letting it restart."""
+        peers_alive=False: whatever waits on another rank (a peer replica round) is dropped: it would hang."""
         self.watchdog.close()
         self.resilience.close()
         self.replica_groups.close()

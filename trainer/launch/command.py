@@ -86,7 +86,7 @@ def sizing_summary(cfg: Config, data_dir: Path | None = None) -> str:
     t = cfg.training
     memory = gpu_memory_bytes(shape, shard_ranks=t.num_nodes * t.nproc_per_node // t.replica_groups,
                               batch_size=t.batch_size, seq_len=t.seq_len,
-                              activation_checkpointing=cfg.model.activation_checkpointing)
+                              activation_checkpointing=cfg.training.activation_checkpointing != "none")
     source = f"config.json of {cfg.base_model_dir}" if cfg.model.init_from else f"preset {cfg.model.preset}"
     return (f"model: {shape.parameters / 1e9:.3g} B parameters ({source}), training state "
             f"{gib(shape.state_bytes)}; node memory {node_memory_gib(cfg, data_dir)} GiB; each GPU holds about "

@@ -1,5 +1,5 @@
 """The Llama-architecture model (transformers' LlamaForCausalLM): its config (a base model's, or a preset's), its
-build (random, or on the meta device for weights loaded after sharding) and its FSDP2 sharding."""
+build (random, or on the meta device for weights loaded after sharding); its sharding is trainer.model.parallelize."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -107,14 +106,3 @@ def set_special_token_ids(model: LlamaForCausalLM, special_token_ids: dict[str, 
     model.config.update(special_token_ids)
     for key, value in special_token_ids.items():
         setattr(model.generation_config, key, value)
-
-
-def shard_model(model: LlamaForCausalLM, mixed_precision: bool) -> LlamaForCausalLM:
-    """FSDP2: each decoder layer is its own unit, then the root (embeddings, norm, head)."""
-    kwargs = {}
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model

@@ -18,11 +18,21 @@ from torch.utils.checkpoint import checkpoint
 IGNORE = -100  # a target that counts for nothing (padding): F.cross_entropy's ignore_index
 
 
-def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, reduction: str = "sum"):
+def _eager_chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, reduction: str = "sum"):
     logits = head(hidden).float()
     losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction,
                              ignore_index=IGNORE)
     return losses if reduction == "sum" else losses.view(targets.shape)
+
+
+_chunk_loss = _eager_chunk_loss
+
+
+def compile_chunk_loss() -> None:
+    """From now on each chunk's head projection and cross-entropy run compiled (training.compile): the fp32
+    logits' upcast, log-softmax and gather fuse instead of each writing a chunk-sized tensor."""
+    global _chunk_loss
+    _chunk_loss = torch.compile(_eager_chunk_loss)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,

@@ -25,6 +25,7 @@ from typing import Any
 
 from trainer.config.decisions import parse_decisions
 from trainer.resilience.decisions import classify, fingerprint
+from trainer.resilience.flight_recorder import describe, hung_collective
 from trainer.run.events import EventLog
 from trainer.run.history import ControlState, control_state, handled_keys, launched_at_from_environment
 from trainer.run.run_dir import RunDir, read_json
@@ -167,8 +168,20 @@ def explain_restarts(run_dir: Path, before: float, world_size: int,
         held = []
     if held:
         attempts.setdefault("runner", []).extend(held)
-    found = [_explain(records, world_size) for records in attempts.values()] or [_explain([], world_size)]
+    found = [_with_hung_collective(_explain(records, world_size), run_dir, attempt, world_size)
+             for attempt, records in attempts.items()] or [_explain([], world_size)]
     return [{**explanation, "failures_offset": offset} for explanation in found]
+
+
+def _with_hung_collective(explanation: dict[str, Any], run_dir: Path, attempt: str,
+                          world_size: int) -> dict[str, Any]:
+    """The attempt's flight-recorder dumps, when its ranks left any: the collective that hung, and on which ranks
+    (trainer.resilience.flight_recorder), in the cause's sentence and as a field."""
+    finding = hung_collective(run_dir, attempt, world_size)
+    disagree = finding is not None and (finding["mismatched"] or finding["behind"] or finding["absent"])
+    if finding is None or not (disagree or finding["completion_tracked"]):
+        return explanation  # gloo, every rank in the same collective: no sign that it hung
+    return {**explanation, "cause": f"{explanation['cause']}; {describe(finding)}", "hung_collective": finding}
 
 
 def _explain(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:

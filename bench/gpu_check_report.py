@@ -1,0 +1,99 @@
+"""The JSON document of bench/gpu_check.sh, from its runs' folders: written after every run (a check cut off by
+its time limit keeps what it measured) and printed at the end.
+
+    python3 bench/gpu_check_report.py WORK RESULTS PRESET SEQ [final]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from trainer.resilience.nvrx_compat import nvrx_version
+from trainer.run.events import read_events
+from trainer.run.run_dir import read_json
+
+WARMUP = 4  # steps left out of the medians: the first allocations, and the compile
+PERF_FIELDS = ("tokens_per_second", "tflops_per_gpu", "mfu", "cuda_max_allocated_gib", "cuda_max_reserved_gib",
+               "step_seconds")
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def step_figures(metrics: list[dict]) -> dict:
+    """Medians after the warm-up: the step's own figures, and its wall time (from one record to the next, so
+    what the loop does between steps, such as a node-memory copy, counts)."""
+    later = metrics[WARMUP:] or metrics
+    figures = {f"median_{name}": _median([m[name] for m in later if name in m]) for name in PERF_FIELDS}
+    walls = [b["time"] - a["time"] for a, b in zip(later, later[1:])]
+    figures["median_wall_seconds_per_step"] = _median(walls)
+    figures["cuda_alloc_retries"] = sum(m.get("cuda_alloc_retries", 0) for m in metrics)
+    figures["steps"] = len(metrics)
+    return figures
+
+
+def run_figures(run: Path, log: Path) -> dict:
+    figures: dict = {"log_tail": log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []}
+    if (run / "metrics.jsonl").exists():
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        figures.update(step_figures(metrics))
+    if (run / "events").exists():
+        figures["stalls"] = [{k: e.get(k) for k in ("step", "loop_wait_seconds", "handoff_seconds", "memory_seconds")}
+                             for e in read_events(run, "checkpoint_stall")]
+        figures["recoveries"] = [{k: e.get(k) for k in ("mechanism", "cause", "decision", "recovery_seconds",
+                                                        "reload_source", "reloaded_step", "lost_steps",
+                                                        "reload_seconds", "reinit_seconds")}
+                                 for e in read_events(run, "recovery")]
+        figures["numeric"] = [{k: v for k, v in e.items() if k not in ("rank", "attempt", "by_dataset", "time")}
+                              for e in read_events(run) if e["event"] in ("numeric_anomaly", "numeric_rerun",
+                                                                           "rollback", "data_skipped")]
+    result = read_json(run / "result.json")
+    if result:
+        figures["result"] = {k: result.get(k) for k in ("steps", "final_loss", "wall_seconds", "num_parameters")}
+    return figures
+
+
+def main() -> None:
+    work, results, preset, seq = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    final = len(sys.argv) > 5 and sys.argv[5] == "final"
+    report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+              "torch": torch.__version__, "nvidia_resiliency_ext": nvrx_version(), "preset": preset, "seq_len": seq,
+              "runs": {}}
+    for name in ("perf-eager", "perf-compiled", "perf-compiled-full", "memcopy", "restart", "nan"):
+        run = work / "work" / "fsx" / "runs" / f"check-{name}"
+        if run.exists() or (results / f"{name}.log").exists():
+            report["runs"][name] = run_figures(run, results / f"{name}.log")
+    runs = report["runs"]
+    eager, compiled = runs.get("perf-eager", {}), runs.get("perf-compiled", {})
+    full, copied = runs.get("perf-compiled-full", {}), runs.get("memcopy", {})
+    report["summary"] = {
+        "mfu": {name: runs.get(name, {}).get("median_mfu") for name in ("perf-eager", "perf-compiled",
+                                                                      "perf-compiled-full")},
+        "compile_speedup": _ratio(compiled.get("median_tokens_per_second"), eager.get("median_tokens_per_second")),
+        "selective_over_full_tokens": _ratio(compiled.get("median_tokens_per_second"),
+                                             full.get("median_tokens_per_second")),
+        "selective_over_full_memory": _ratio(compiled.get("median_cuda_max_allocated_gib"),
+                                             full.get("median_cuda_max_allocated_gib")),
+        # the node-memory copy after every step: the step's wall time with it over without it (perf-eager)
+        "node_memory_copy_every_step_wall_ratio": _ratio(copied.get("median_wall_seconds_per_step"),
+                                                         eager.get("median_wall_seconds_per_step")),
+        "restart_recovery_seconds": [r.get("recovery_seconds") for r in runs.get("restart", {}).get("recoveries", [])],
+    }
+    text = json.dumps(report, indent=1, default=str)
+    (results / "gpu_check.json").write_text(text)
+    if final:
+        print(text)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+if __name__ == "__main__":
+    main()
