@@ -20,8 +20,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=${PRESET:-llama3-1b} SMALL=${SMALL:-small} BACKEND=${BACKEND:-nccl} SEQ=${SEQ:-8192} STEPS=${STEPS:-14}
 WORK=${WORK:-/tmp/gpu-check}
+RUNS=${RUNS:-"perf-eager perf-compiled memcopy restart nan perf-compiled-full"}  # a rerun of some: RUNS="restart nan"
 RESULTS=${OUT:-$WORK}
-rm -rf "$WORK" && mkdir -p "$WORK" "$RESULTS"
+rm -rf "$WORK/work" && mkdir -p "$WORK" "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python3 - "$BACKEND" <<'PY'
 import sys, torch
@@ -29,7 +30,7 @@ print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "", file=sys.stderr)
 sys.exit(0 if torch.cuda.is_available() or sys.argv[1] != "nccl" else 1)
 PY
-python3 - "$WORK" <<'PY'
+[ -d "$WORK/tokens" ] || python3 - "$WORK" <<'PY'
 import sys
 from pathlib import Path
 from pipelines.demo_data import demo_files
@@ -50,18 +51,21 @@ common=(--config local --run.work_dir="$WORK/work" --training.backend="$BACKEND"
         --eval.every_steps=0 --eval.max_batches=2 --eval.max_new_tokens=8 --eval.export_dtype=bfloat16)
 perf=(--model.preset="$PRESET" --training.batch_size=2 --training.seq_len="$SEQ" --training.num_steps="$STEPS"
       --training.activation_checkpointing=selective --training.selective_ac=op)
+wanted() { [[ " $RUNS " == *" $1 "* ]]; }
 run() {  # name, time limit (s), extra args...: torchrun, one process
   local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
   local started=$SECONDS
-  timeout "$limit" torchrun --standalone --nproc-per-node 1 -m trainer --data-dir "$WORK/tokens" "${common[@]}" \
+  timeout -k 5 "$limit" torchrun --standalone --nproc-per-node 1 -m trainer --data-dir "$WORK/tokens" "${common[@]}" \
     --run.run_id="check-$name" "$@" > "$RESULTS/$name.log" 2>&1 || echo "$name: exit $?" >> "$RESULTS/$name.log"
   echo "$name: $((SECONDS - started)) s" >&2
   rm -rf "$WORK/work/fsx/runs/check-$name/checkpoints" "$WORK/work/fsx/runs/check-$name/export" "$MEMORY_DIR"
 }
 launched() {  # name, time limit (s), extra overrides...: the project's launcher (ft_launcher: restarts)
   local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
   local started=$SECONDS
-  timeout "$limit" python3 - "$WORK" "$name" "${common[@]}" "$@" > "$RESULTS/$name.log" 2>&1 <<'PY' \
+  timeout -k 5 "$limit" python3 - "$WORK" "$name" "${common[@]}" "$@" > "$RESULTS/$name.log" 2>&1 <<'PY' \
     || echo "$name: exit $?" >> "$RESULTS/$name.log"
 import sys
 from pathlib import Path
@@ -77,16 +81,16 @@ PY
   rm -rf "$WORK/work/fsx/runs/check-$name/checkpoints" "$WORK/work/fsx/runs/check-$name/export" "$MEMORY_DIR"
 }
 summarize() {
-  python3 bench/gpu_check_report.py "$WORK" "$RESULTS" "$PRESET" "$SEQ" "${1:-}"
+  python3 bench/gpu_check_report.py "$WORK" "$RESULTS" "$PRESET" "$SEQ" ${1:+"$1"}
 }
 run perf-eager 80 "${perf[@]}" --training.compile=false --checkpoint.enabled=false; summarize
 run perf-compiled 110 "${perf[@]}" --training.compile=true --checkpoint.enabled=false; summarize
-run memcopy 80 "${perf[@]}" --training.compile=false --checkpoint.mode=async --checkpoint.interval_steps=10 \
+run memcopy 70 "${perf[@]}" --training.num_steps=10 --training.compile=false --checkpoint.mode=async --checkpoint.interval_steps=10 \
   --checkpoint.keep_last=1 --checkpoint.memory_interval_steps=1 --checkpoint.memory_copy=async; summarize
 small=(--model.preset="$SMALL" --training.batch_size=4 --training.seq_len=2048 --training.num_steps=16
        --checkpoint.interval_steps=8 --checkpoint.memory_interval_steps=1)
-launched restart 60 "${small[@]}" --faults.schedule=sigkill@10:rank=0; summarize
-run nan 50 "${small[@]}" --resilience.rollback_steps=2 --resilience.skip_steps=2 --faults.schedule=nan@12:rank=0
+launched restart 130 "${small[@]}" --faults.schedule=sigkill@10:rank=0; summarize
+run nan 90 "${small[@]}" --resilience.rollback_steps=2 --resilience.skip_steps=2 --faults.schedule=nan@12:rank=0
 summarize
 run perf-compiled-full 90 "${perf[@]}" --training.compile=true --training.activation_checkpointing=full \
   --checkpoint.enabled=false

@@ -6,9 +6,9 @@ its time limit keeps what it measured) and printed at the end.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -60,8 +60,14 @@ def run_figures(run: Path, log: Path) -> dict:
 
 
 def main() -> None:
-    work, results, preset, seq = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-    final = len(sys.argv) > 5 and sys.argv[5] == "final"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("work", type=Path, help="the check's work folder (its runs under work/fsx/runs)")
+    parser.add_argument("results", type=Path, help="where the logs are and gpu_check.json goes")
+    parser.add_argument("preset")
+    parser.add_argument("seq", type=int)
+    parser.add_argument("final", nargs="?", default="", help="'final': also print the document")
+    args = parser.parse_args()
+    work, results, preset, seq, final = args.work, args.results, args.preset, args.seq, args.final == "final"
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "nvidia_resiliency_ext": nvrx_version(), "preset": preset, "seq_len": seq,
               "runs": {}}
