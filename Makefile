@@ -55,7 +55,7 @@ golden: install  ## regenerate the golden compiled pipelines the tests diff agai
 	$(PY) -m pipelines compile --config local -o tests/golden/pipeline-local.yaml
 	$(PY) -m pipelines compile --config pipelines/configs/eks-prod.yaml -o tests/golden/pipeline-eks.yaml
 
-bench: install  ## every benchmark (~120 min on 2 cores), then the report bench/README.md
+bench: install  ## every benchmark (~135 min on 2 cores), then the report bench/README.md
 	$(PY) bench/checkpoint.py
 	$(PY) bench/recovery.py
 	$(PY) bench/goodput.py
@@ -67,6 +67,7 @@ bench: install  ## every benchmark (~120 min on 2 cores), then the report bench/
 	$(PY) bench/numeric_faults.py
 	$(PY) bench/control_plane.py
 	$(PY) bench/network_faults.py
+	$(PY) bench/overhead.py
 	$(PY) bench/report.py
 
 bench-report: install  ## bench/README.md from the results already in bench/results

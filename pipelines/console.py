@@ -134,13 +134,13 @@ class TrainingProgress:
         self._last = record
         if self._bar is not None:
             self._bar.n = step  # after a restart the run goes back to the reloaded step
-            self._bar.set_description_str(f"loss {record['loss']:.4f}, {record.get('tokens_per_second', 0):,.0f} tok/s",
-                                          refresh=True)
+            self._bar.set_description_str(f"loss {record['loss']:.4f}, {record.get('tokens_per_second', 0):,.0f} tok/s"
+                                          f"{_mfu(record, ', ')}", refresh=True)
             return
         if any(previous < mark <= step for mark in self._plain_marks):
             eta = sum(self._step_seconds) / len(self._step_seconds) * max(0, self._num_steps - step)
             self.write(f"  train  step {step}/{self._num_steps}  loss {record['loss']:.4f}  "
-                       f"{record.get('tokens_per_second', 0):,.0f} tok/s  ETA {eta:.0f} s")
+                       f"{record.get('tokens_per_second', 0):,.0f} tok/s{_mfu(record, '  ')}  ETA {eta:.0f} s")
 
     def _show_event(self, event: dict[str, Any]) -> None:
         if event["event"] == "fault":
@@ -293,3 +293,8 @@ class PipelineConsole:
         self._poller.join()
         self._progress.close()
         self._poller = self._progress = None
+
+
+def _mfu(record: dict[str, Any], separator: str) -> str:
+    """A step's MFU where the trainer measured it (a GPU with a known peak: trainer.observe.flops)."""
+    return f"{separator}MFU {record['mfu']:.1%}" if "mfu" in record else ""

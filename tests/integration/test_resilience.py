@@ -49,6 +49,15 @@ def test_every_fault_type_is_recovered_with_bit_identical_losses(tmp_path, token
         assert record["cause"].startswith(f"rank {fault['rank']} failed first: ") and fault["key"] in record["cause"]
     hang = recovered["hang@15:rank=1"]
     assert hang["detect_and_teardown_seconds"] >= 8  # the heartbeat timeout had to expire first
+    # The collective each fault left waiting, from the ranks' flight-recorder dumps (trainer.resilience.
+    # flight_recorder): the hung rank never reached the one its peer waited in; the killed rank left no dump; the
+    # rank hung in a collective of its own was alone in it while its peer entered the next step's.
+    assert (hang["hung_collective"]["waiting"], hang["hung_collective"]["behind"]) == ([0], [1])
+    assert recovered["sigkill@7:rank=1"]["hung_collective"]["absent"] == [1]
+    in_collective = recovered["hang_in_collective@18:rank=0"]["hung_collective"]
+    entered = {**{str(r): in_collective["collective"] for r in in_collective["waiting"]}, **in_collective["mismatched"]}
+    assert entered["0"] == "gloo:all_reduce" and set(entered) == {"0", "1"}  # named after whichever entered first
+    assert "instead" in recovered["hang_in_collective@18:rank=0"]["cause"]
     # The writer of rank 1 failed half-way through the step-20 save (the default thread writer): the save was
     # reported failed on every rank, never committed, and the next save committed.
     failed = read_events(faulty.run_dir, "checkpoint_failed")

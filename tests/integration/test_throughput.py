@@ -20,6 +20,7 @@ from trainer.config import MODEL_PRESETS, TrainingConfig
 from trainer.model.llama import build_model
 from trainer.model.parallelize import apply_activation_checkpointing, device_mesh, parallelize
 from trainer.resilience.numerics import NumericDrills
+from trainer.run.events import read_events
 from trainer.run.run_dir import read_jsonl
 from tests.metrics import losses_by_step
 
@@ -174,3 +175,19 @@ def test_mfu_and_tflops_are_in_every_step_record(trained_run):
     records = read_jsonl(cfg.run_dir / "metrics.jsonl")
     assert all(r["tflops_per_gpu"] > 0 for r in records)
     assert not any("mfu" in r for r in records)  # no peak is known for a CPU, and none was set
+
+
+def test_a_checkpoint_with_every_parameter_decayed_resumes_into_the_no_decay_groups(tmp_path, token_dir,
+                                                                                   training_config):
+    """A run started before optimizer.no_decay (one AdamW group) continues after the upgrade from its checkpoint:
+    the groups and hyperparameters are the config's at each start (trainer.model.optimizer.optimizer_groups_of),
+    not a key the checkpoint lacks (which torch's set_state_dict raised as KeyError: 'weight_decay')."""
+    before = training_config(tmp_path, "upgraded", "--training.num_steps=4", "--checkpoint.interval_steps=4",
+                             "--optimizer.no_decay=[]")
+    run_local_training(before, token_dir)
+    after = training_config(tmp_path, "upgraded", "--training.num_steps=6", "--checkpoint.interval_steps=2")
+    result = run_local_training(after, token_dir)
+    assert result["steps"] == 6 and result["steps_this_launch"] == 2
+    resumes = read_events(after.run_dir, "resume")
+    assert (resumes[-1]["step"], resumes[-1]["source"]) == (4, "disk")
+    assert "AdamW (default): 22 parameter tensors decayed, 8 not" in (after.run_dir / "train.log").read_text()

@@ -82,6 +82,17 @@ def test_bundled_name_resolves_to_configs_dir():
          "group 2 does not exist"),
         (["--faults.schedule=group_loss@5:rank=1"], "group_loss@STEP:group=G[:permanent]"),
         (["--faults.schedule=sigkill@5:group=1"], ":group= is taken only by group_loss and bitflip, :permanent only by group_loss"),
+        # throughput (issue 44): native HSDP and torchft's groups are two ways to replicate: one at a time
+        (["--training.num_nodes=2", "--training.replica_groups=2", "--training.data_parallel_replicate_degree=2"],
+         "training.data_parallel_replicate_degree: =2 and training.replica_groups=2 both make replicas"),
+        (["--training.nproc_per_node=2", "--training.data_parallel_replicate_degree=3"],
+         "training.data_parallel_replicate_degree: =3 must divide the job's 2 ranks"),
+        (["--training.activation_checkpointing=some"], "training.activation_checkpointing: 'some' is not one of"),
+        (["--training.selective_ac=0"], "training.selective_ac: must be op or a layer interval >= 1"),
+        (["--training.mixed_precision_param=fp8"], "training.mixed_precision_param: 'fp8' is not one of"),
+        (["--optimizer.implementation=apex"], "optimizer.implementation: 'apex' is not one of"),
+        (["--model.activation_checkpointing=true"],
+         "model.activation_checkpointing moved to training.activation_checkpointing (none, full or selective)"),
     ],
 )
 def test_bad_values_name_the_field(overrides, message):

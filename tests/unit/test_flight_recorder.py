@@ -27,16 +27,19 @@ def _hang(rank: int, port: int, run_dir: str, scenario: str) -> None:
     values = torch.ones(4)
     for _ in range(3):
         dist.all_reduce(values)
+    stall = flight_recorder.StallDump(run_dir, ATTEMPT, rank, after_seconds=1.0)
+    stall.beat()  # the loop's last heartbeat
     try:
         if rank == 0:
             dist.all_reduce(values)  # the collective that hangs
         elif scenario == "mismatched":
             dist.barrier()  # another collective at the same place in the order
         else:
-            time.sleep(3)  # never reaches it (busy elsewhere until rank 0 times out)
+            time.sleep(3)  # never reaches it: its stall dump is all it leaves (as when the launcher kills it)
+            os._exit(0)
     except RuntimeError:
         pass
-    flight_recorder.dump(run_dir, ATTEMPT, rank)
+    flight_recorder.dump(run_dir, ATTEMPT, rank)  # the failure's own dump (trainer.job.cli)
     os._exit(0)  # a group whose collective failed cannot be torn down cleanly (gloo aborts in its destructor)
 
 
@@ -66,7 +69,8 @@ def test_a_real_gloo_hang_names_the_collective_and_the_ranks(tmp_path, scenario)
                                 phase="train", step=5, secondary=True, attempt=ATTEMPT)
     [explained] = explain_restarts(tmp_path, before=1e12, world_size=2)
     assert explained["hung_collective"]["collective"] == "gloo:all_reduce"
-    assert "gloo:all_reduce #4 of process group default_pg hung: rank(s) [0] waited in it" in explained["cause"]
+    assert ("the collective left waiting: gloo:all_reduce #4 of process group default_pg, rank(s) [0] in it; "
+            "rank(s) [1] never reached it") in explained["cause"]
 
 
 def _nccl_entry(seq: int, name: str, state: str) -> dict:

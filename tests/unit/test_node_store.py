@@ -140,3 +140,35 @@ def test_the_copies_of_a_killed_process_are_freed_by_the_next_one(tmp_path, monk
     monkeypatch.setattr(atexit, "register", lambda *args: None)
     mine = node_store_folder(str(tmp_path), "run-1")
     assert not dead.exists() and mine != dead
+
+
+def test_the_background_copy_commits_what_the_step_held_and_skips_while_the_last_is_being_written(store):
+    """checkpoint.memory_copy=async (trainer.checkpoint.node_copy) on the CPU: the optimizer step waits until the
+    copy has read the state; a copy handed over while the last one is still being written is skipped, not waited
+    for, except when asked to wait (the training's last step)."""
+    import threading
+
+    from trainer.checkpoint.node_copy import BackgroundCopy
+
+    gate, committed = threading.Event(), []
+    copier = BackgroundCopy(store, torch.device("cpu"), nice=0,
+                            after_commit=lambda copy: (committed.append(copy.step), gate.wait(10)))
+    live = _state(3.0)
+    assert copier.start(4, live)
+    copier.before_state_changes()  # returns once the copy has read the state
+    live["model"]["w"].add_(100)  # the optimizer step
+    assert not copier.start(5, _state(5.0))  # the copy of step 4 is not done (its peer round holds it)
+    assert copier.skipped == 1
+    gate.set()
+    assert copier.wait().step == 4 and committed == [4]
+    fresh = _state(0.0)
+    copy = store.own_copies()[4]
+    restore(fresh, copy.meta["layout"], copy.data)
+    assert torch.equal(fresh["model"]["w"], torch.full((3, 2), 3.0))  # what the step held, not what came after
+
+    gate.clear()
+    assert copier.start(6, _state(6.0))
+    threading.Timer(0.3, gate.set).start()  # step 6's copy finishes a little later
+    assert copier.start(7, _state(7.0), wait_if_busy=True)  # waits for it instead of skipping
+    copier.close()
+    assert sorted(store.own_copies()) == [6, 7] and copier.skipped == 1

@@ -1,7 +1,7 @@
 import pytest
 
 from trainer.config import load_config
-from trainer.job.trainer import lr_at
+from trainer.job.step import lr_at
 
 
 def test_warmup_then_cosine_to_the_floor():

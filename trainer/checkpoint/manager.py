@@ -111,8 +111,8 @@ class CheckpointManager:
         state = None
         if self._memory is not None and self._memory.due(step):
             state = state_fn()
-            self._memory.save(step, state)
-            self.costs.memory_copy(time.perf_counter() - entered)
+            if self._memory.save(step, state, wait_if_busy=last):
+                self.costs.memory_copy(time.perf_counter() - entered)
         self._saves.poll()
         saving = ((last or step % self.interval_steps == 0) and self._saves.last_saved_step != step
                   and self._writes_shared())

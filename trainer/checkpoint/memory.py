@@ -60,16 +60,21 @@ class MemoryTier:
         """Every interval_steps, once per step (the loop's last save asks again for the same step)."""
         return self.interval_steps > 0 and step % self.interval_steps == 0 and step != self.last_saved_step
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    def save(self, step: int, state: dict[str, Any], wait_if_busy: bool = True) -> bool:
+        """Copy this step's state (and replicate it); False when an async copy skipped it: the last one was still
+        being written (trainer.checkpoint.node_copy), and the node keeps the step before."""
         started = time.perf_counter()
-        self.last_saved_step = step
         if self.copier is not None:
-            self.copier.start(step, state)
+            if not self.copier.start(step, state, wait_if_busy=wait_if_busy or self.wait_for_replica):
+                return False
+            self.last_saved_step = step
             if self.wait_for_replica:
                 self.copier.wait()
-                self.replicator.wait()
+                if self.replicator is not None:
+                    self.replicator.wait()
             self.last_save_seconds = time.perf_counter() - started
-            return
+            return True
+        self.last_saved_step = step
         if self.replicator is not None:
             self.replicator.wait()  # the slot the last round sends is never the one overwritten now
         copy = self.store.save(step, state)
@@ -78,6 +83,7 @@ class MemoryTier:
             if self.wait_for_replica:
                 self.replicator.wait()
         self.last_save_seconds = time.perf_counter() - started
+        return True
 
     def before_state_changes(self) -> None:
         """Before the optimizer step or a load writes the state a copy in flight reads."""

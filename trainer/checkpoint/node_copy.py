@@ -1,7 +1,7 @@
 """The node-memory copy off the step's critical path (checkpoint.memory_copy=async).
 
     copier = BackgroundCopy(store, device, nice, after_commit=replicator.replicate)
-    copier.start(step, state)       # the loop: hands the copy over and goes on with the next step
+    copier.start(step, state)       # the loop: hands the copy over (or skips it while the last is being written)
     copier.before_state_changes()   # the loop, before the optimizer step (or a load) writes what is being read
     copier.wait()                   # until the copy is committed: restore, rollback, close
 
@@ -48,8 +48,18 @@ class BackgroundCopy:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._copied: torch.cuda.Event | None = None
         self.loop_seconds = 0.0  # what the loop spent on copies: handing them over and waiting for their reads
+        self.skipped = 0  # steps whose copy was skipped: the last one was still being written
 
-    def start(self, step: int, state: dict[str, Any]) -> None:
+    def start(self, step: int, state: dict[str, Any], wait_if_busy: bool = False) -> bool:
+        """Hand this step's copy over; False (nothing done) when the last copy is still being written and
+        wait_if_busy is not set: the copies then run as often as the host can write them, and the loop never
+        waits for one (the training's last step waits: its copy is the one a restart wants)."""
+        if self._pending is not None and not self._pending.done() and not wait_if_busy:
+            self.skipped += 1
+            if self.skipped == 1:
+                log.warning("node memory: the copy of the last step is still being written at step %d: copies are "
+                            "skipped until it is done (the node holds an older step; checkpoint.memory_copy)", step)
+            return False
         started = time.perf_counter()
         self.wait()  # the last copy is committed: its slot, and on CUDA the staging buffer, are free again
         meta, layout, values = self.store.describe(step, state)
@@ -58,6 +68,7 @@ class BackgroundCopy:
         self._reads_done.clear()
         self._pending = self._executor.submit(self._write, meta, layout, values)
         self.loop_seconds += time.perf_counter() - started
+        return True
 
     def before_state_changes(self) -> None:
         """Called before anything writes the parameters or the optimizer's state."""

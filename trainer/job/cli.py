@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
             finished = True
         except Exception as err:  # the rank's own record of how it failed (trainer.resilience.failures)
-            flight_recorder.dump(cfg.run_dir, current_attempt(), rank)  # its last collectives, for the recovery
+            # its last collectives, for the recovery (named by the rank in the job, as the stall dump names them)
+            flight_recorder.dump(cfg.run_dir, current_attempt(), trainer.global_rank if trainer is not None else rank)
             failure = record_failure(cfg.run_dir, rank, err, current_phase(), trainer.step if trainer is not None
                                      else None, parse_decisions(cfg.resilience.decisions), _gpu_health(trainer))
             if failure is not None:

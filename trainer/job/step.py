@@ -1,4 +1,5 @@
-"""The compute of one step (forward, backward, the gradient's clipping) and the metrics file the loop appends to.
+"""The compute of one step (its learning rate, forward, backward, the gradient's clipping, the progress line's
+figures) and the metrics file the loop appends to.
 
 Apart from the Trainer because a step is computed twice when its figures are anomalous
 (trainer.job.numeric_recovery executes it again on the same batch).
@@ -7,6 +8,7 @@ Apart from the Trainer because a step is computed twice when its figures are ano
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer.config import Config
 from trainer.resilience.numerics import NumericDrills
 from trainer.run.lease import Fence
 
@@ -41,6 +44,15 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarra
         loss_sum += loss.detach()
     drills.flip(model, step)
     return loss_sum, torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at num_steps (step is 0-based)."""
+    t = cfg.training
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def step_extras(metrics: dict[str, float]) -> str:

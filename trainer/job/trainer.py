@@ -13,7 +13,6 @@ state, the resume and the loop; the command line is trainer.job.cli.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,10 @@ from trainer.data.batches import skipped_ranges
 from trainer.config import Config
 from trainer.job.numeric_recovery import NumericRecovery, past_skipped
 from trainer.job.startup import start_process
-from trainer.job.step import MetricsWriter, clip, forward_backward, local, step_extras, total
+from trainer.job.step import MetricsWriter, clip, forward_backward, local, lr_at, step_extras, total
 from trainer.model.base import load_base_weights
 from trainer.model.llama import build_model, copy_initial_weights
-from trainer.model.optimizer import initialize_state
+from trainer.model.optimizer import initialize_state, optimizer_groups_of
 from trainer.observe.flops import StepFigures
 from trainer.resilience.in_process import InProcessAttempt
 from trainer.resilience.numerics import local_figures
@@ -39,15 +38,6 @@ from trainer.run.lease import check_fence_of_this_process
 from trainer.run.run_dir import write_json
 
 log = logging.getLogger("trainer")
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at num_steps (step is 0-based)."""
-    t = cfg.training
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class Trainer:
@@ -85,6 +75,7 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        optim_state = {"state": optim_state["state"]}  # its groups are the config's at each start (load_state_dict)
         # Tensors, not Python numbers: DCP stores non-tensor items with pickle. RNG state differs per rank,
         # and DCP de-duplicates equal keys across ranks, hence the rank in the key.
         rng = {"cpu": torch.get_rng_state()}
@@ -97,8 +88,11 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.checkpointer.before_state_changes()
+        # AdamW's groups and hyperparameters are this run's config: a checkpoint of another grouping (before
+        # optimizer.no_decay every parameter was decayed) resumes into them
+        groups = optimizer_groups_of(self.model, self.optimizer)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict={**state["optim"], "param_groups": groups})
         self.step, self.last_loss = int(state["trainer"]["step"]), float(state["trainer"]["last_loss"])
         # A checkpoint written before the sample order was kept (it has no data.next_sample) continues at the
         # position its steps would have reached at this global batch.

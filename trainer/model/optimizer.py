@@ -37,6 +37,15 @@ def build_optimizer(model: torch.nn.Module, training: TrainingConfig, optimizer:
     return torch.optim.AdamW(groups, lr=training.lr, betas=(0.9, 0.95), **flags)
 
 
+def optimizer_groups_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's parameter groups as torch.distributed.checkpoint's state dicts name them (parameters by
+    their fully qualified names): what a loaded state's groups are set to, so hyperparameters and grouping are
+    this run's config, whatever grouping the checkpoint was written with."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    return [{**{key: value for key, value in group.items() if key != "params"},
+             "params": [names[id(parameter)] for parameter in group["params"]]} for group in optimizer.param_groups]
+
+
 def initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Give a fresh AdamW the state torch.distributed.checkpoint's get_state_dict would create, without the
     arithmetic.

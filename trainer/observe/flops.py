@@ -48,11 +48,15 @@ def peak_flops(device: torch.device, peak_tflops: float = 0.0) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, flops in PEAK_BF16_FLOPS:
-        if fragment in name:
-            return flops
-    log.warning("no bf16 peak known for %r: mfu is not reported (set training.peak_tflops)", name)
-    return None
+    peak = peak_of(name)
+    if peak is None:
+        log.warning("no bf16 peak known for %r: mfu is not reported (set training.peak_tflops)", name)
+    return peak
+
+
+def peak_of(device_name: str) -> float | None:
+    """The table's peak for a CUDA device name (NVIDIA H100 80GB HBM3, NVIDIA H200, ...)."""
+    return next((flops for fragment, flops in PEAK_BF16_FLOPS if fragment in device_name), None)
 
 
 class StepFigures:

@@ -3,6 +3,7 @@ in the run folder, and the recovery's cause names the collective that hung and t
 
     enable(run_dir, attempt)            # the trainer, before its process group: the recorder on, dumps go here
     dump(run_dir, attempt, rank)        # a rank whose collective failed (gloo; NCCL's watchdog dumps on a timeout)
+    StallDump(run_dir, attempt, rank, after_seconds).beat()   # and a rank whose loop stopped beating
     hung_collective(run_dir, attempt)   # the recovery: {collective, seq, process_group, waiting, behind, ...}
 
 Where: ``<run_dir>/flight_recorder/<attempt>/rank_<R>``, an attempt being trainer.run.events.current_attempt with
@@ -22,6 +23,7 @@ import json
 import logging
 import os
 import pickle
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +51,55 @@ def enable(run_dir: Path, attempt: str) -> None:
 
 
 def dump(run_dir: Path, attempt: str, rank: int) -> Path | None:
-    """This rank's recorder into the attempt's folder (never raises: the failure itself matters more)."""
+    """This rank's recorder into the attempt's folder, replacing an earlier dump of it (the newest knows most);
+    never raises: the failure itself matters more. On CUDA NCCL's recorder (the training's collectives), else
+    the generic one (gloo's)."""
     if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0:
         return None
     try:
         import torch  # only here: the module is read by processes without torch (the launcher)
 
+        c10d = torch._C._distributed_c10d
+        nccl = getattr(c10d, "_dump_nccl_trace_json", None) if torch.cuda.is_available() else None
+        data = (nccl or c10d._dump_fr_trace_json)()
         path = folder_of(run_dir, attempt) / f"rank_{rank}"
-        if not path.exists():  # NCCL's watchdog may have written it already
-            path.write_bytes(torch._C._distributed_c10d._dump_fr_trace_json())
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+        tmp.replace(path)
         return path
     except Exception:  # noqa: BLE001
         log.exception("could not dump the flight recorder")
         return None
+
+
+class StallDump:
+    """Dumps this rank's recorder once its loop has not beaten for `after_seconds` (half the launcher's heartbeat
+    timeout: before the launcher ends the process, which then runs no handler of its own), once per stall. A
+    rank blocked in a collective is found there: the recovery reads the dumps of every rank that was."""
+
+    def __init__(self, run_dir: Path, attempt: str, rank: int, after_seconds: float):
+        import threading  # only here, with the thread it starts
+
+        self.run_dir, self.attempt, self.rank, self.after = run_dir, attempt, rank, after_seconds
+        self._last: float | None = None  # armed at the first beat: start-up has its own watchdog
+        self._dumped_for: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="flight-recorder-stall", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.after / 4)):
+            last = self._last
+            if last is not None and last != self._dumped_for and time.monotonic() - last > self.after:
+                self._dumped_for = last
+                log.warning("no progress for %.0f s: flight recorder dumped to %s", self.after,
+                            dump(self.run_dir, self.attempt, self.rank))
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -123,10 +161,15 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
     pending: dict[int, dict[str, dict[str, Any]]] = {}
     newest: dict[int, dict[str, int]] = {}
     stuck: dict[int, dict[str, Any]] = {}
+    # The training's collectives run on groups torch names (default_pg, a mesh's mesh_dp_shard, ...); groups made
+    # without a description ("undefined": the checkpoint writer's, the peer replica's) run beside them on threads
+    # of their own, and a rank is never stuck in them while it trains.
+    named = any(_group_of(e) != "undefined" for found in dumps.values() for e in found.get("entries") or [])
     for rank, found in dumps.items():
         groups: dict[str, list[dict[str, Any]]] = {}
         for entry in found.get("entries") or []:
-            groups.setdefault(_group_of(entry), []).append(entry)
+            if not named or _group_of(entry) != "undefined":
+                groups.setdefault(_group_of(entry), []).append(entry)
         tracked = any(e.get("state") == "completed" for entries in groups.values() for e in entries)
         newest[rank] = {g: max(int(e.get("collective_seq_id", 0)) for e in entries) for g, entries in groups.items()}
         pending[rank] = {g: p for g, entries in groups.items() if (p := _pending(entries)) is not None}
@@ -158,8 +201,8 @@ def analyze(dumps: dict[int, dict[str, Any]], world_size: int | None = None) -> 
 
 def describe(finding: dict[str, Any]) -> str:
     """One sentence: the collective, and who held it up."""
-    parts = [f"{finding['collective']} #{finding['seq']} of process group {finding['process_group']} hung: "
-             f"rank(s) {finding['waiting']} waited in it"]
+    parts = [f"the collective left waiting: {finding['collective']} #{finding['seq']} of process group "
+             f"{finding['process_group']}, rank(s) {finding['waiting']} in it"]
     if finding["mismatched"]:
         parts.append(", ".join(f"rank {r} entered {name} instead" for r, name in finding["mismatched"].items()))
     if finding["behind"]:

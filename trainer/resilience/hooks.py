@@ -26,13 +26,14 @@ from trainer.env import JOB_ATTEMPT_ENV, LAUNCHER_ENV, NODE_REPLACEMENT_ENV, RES
 from trainer.resilience import nvrx_compat
 from trainer.resilience.budget import restart_layer
 from trainer.resilience.failures import explain_restarts
+from trainer.resilience.flight_recorder import StallDump
 from trainer.resilience.faults import FaultInjector, straggling_here
 from trainer.resilience.health import GpuHealth, efa_memlock_check
 from trainer.resilience.numerics import NumericDrills, NumericGuard
 from trainer.observe.memory import oom_kills
 from trainer.resilience.straggler import StragglerDetector, node_name
 from trainer.resilience.worker_clock import worker_started_at
-from trainer.run.events import EventLog
+from trainer.run.events import EventLog, current_attempt
 from trainer.run.history import ControlState
 from trainer.run.run_dir import RunDir
 from trainer.run.tail import read_last_record, read_last_records
@@ -49,11 +50,14 @@ class Heartbeat:
     heartbeat (rank_monitor_state_machine: connection lost in HANDLING_START -> ABORTED). Start-up before the
     first step is watched by the phase watchdog (trainer.resilience.phases) instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_dump: StallDump | None = None) -> None:
         self.client = nvrx_compat.rank_monitor_client() if nvrx_compat.under_ft_launcher() else None
         self._connected = False
+        self.stall_dump = stall_dump  # the flight recorder's dump when the beats stop (a hang)
 
     def beat(self) -> None:
+        if self.stall_dump is not None:
+            self.stall_dump.beat()
         if self.client is not None:
             if not self._connected:
                 self.client.init_workload_monitoring()
@@ -61,6 +65,8 @@ class Heartbeat:
             self.client.send_heartbeat()
 
     def close(self) -> None:
+        if self.stall_dump is not None:
+            self.stall_dump.close()
         if self.client is not None and self._connected:
             self.client.shutdown_workload_monitoring()
         self.client = None
@@ -89,7 +95,8 @@ class ResilienceHooks:
         # a replacement of a lost node (its group had no survivor to restart in-job: the whole group was lost)
         self.node_replacement = int(os.environ.get(NODE_REPLACEMENT_ENV, "0") or 0)
         self.launcher = os.environ.get(LAUNCHER_ENV, "torchrun")
-        self.heartbeat = Heartbeat()
+        self.heartbeat = Heartbeat(StallDump(cfg.run_dir, current_attempt(), self.global_rank,
+                                             cfg.resilience.heartbeat_timeout / 2))
         self.gpu_health = GpuHealth(device, events, cfg.resilience.gpu_health_interval_steps)
 
         faults = parse_schedule(cfg.faults.schedule)

@@ -1,0 +1,161 @@
+"""What the resilience costs per step: the full trainer (every resilience feature as the local config sets it:
+async checkpoints, the node-memory copy every step and its peer replica, straggler detection, numeric checks,
+the heartbeats) against a bare FSDP2 loop on the same model, data and ranks, in alternating rounds in one run
+(this machine is shared and noisy: only ratios measured side by side are reported).
+
+    python bench/overhead.py                      # tiny (30 steps) and small (14 steps), 2 ranks, 2 rounds
+    python bench/overhead.py --presets tiny --rounds 1 --steps tiny=20
+
+Per preset and round: the bare loop, then the trainer with the node-memory copy every step (the local config's),
+every 10 steps and never. The figure is the mean wall time per step after the warm-up (a save's stall and a
+copy's wait count: they are the loop's time), so:
+  throughput_over_bare     = bare step time / trainer step time (goal >= 0.97)
+  node_memory_copy_share   = 1 - (step time with no copy / step time with the copy every step)
+Results: bench/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, demo_token_dir, write_results
+
+WARMUP = 5
+TRAINER_VARIANTS = {"trainer": 1, "trainer_memory_every_10": 10, "trainer_no_memory_copy": 0}
+
+
+def bare_loop(args: argparse.Namespace) -> None:
+    """One rank of the bare loop (under torchrun): the trainer's model, sharding, optimizer and data, and
+    nothing else; rank 0 writes its steps' wall times."""
+    import numpy as np  # noqa: F401  (the batches are numpy arrays)
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import load_config
+    from trainer.data.batches import TokenBatches
+    from trainer.data.shards import load_meta
+    from trainer.data.tokenizer import load_tokenizer
+    from trainer.job.step import clip, forward_backward
+    from trainer.model.llama import build_model, llama_config_of
+    from trainer.model.optimizer import build_optimizer
+    from trainer.model.parallelize import device_mesh, parallelize
+    from trainer.resilience.numerics import NumericDrills
+
+    cfg = load_config("local", [f"--model.preset={args.preset}", *_shape(args)])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(cfg.training.num_threads)
+    device = torch.device("cpu")
+    meta = load_meta(args.data_dir)
+    config = llama_config_of(cfg.model, None, meta["vocab_size"], load_tokenizer(meta["tokenizer"]).special_token_ids())
+    model = parallelize(build_model(config, cfg.run.seed), cfg.training, device, device_mesh(cfg.training, world, device))
+    optimizer = build_optimizer(model, cfg.training, cfg.optimizer, device)
+    t = cfg.training
+    batches = TokenBatches.open(args.data_dir, "train", t.seq_len, t.batch_size, cfg.run.seed)
+    global_batch = t.batch_size * t.grad_accum_steps * world
+    drills = NumericDrills([], rank, None, set())
+    times = []
+    for step in range(args.steps):
+        first = step * global_batch
+        micro = [batches.batch(first, m, rank, world) for m in range(t.grad_accum_steps)]
+        loss, norm = forward_backward(model, micro, device=device, training_cfg=t, drills=drills, step=step + 1,
+                                      first_sample=first, global_batch=global_batch)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        dist.all_reduce(loss)  # the loss a loop logs
+        clip(model, norm, t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.time())
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def _shape(args: argparse.Namespace) -> list[str]:
+    return [f"--training.num_steps={args.steps}", "--training.seq_len=128", "--training.batch_size=8"]
+
+
+def _mean_step(times: list[float]) -> float:
+    later = times[WARMUP:]
+    return (later[-1] - later[0]) / (len(later) - 1)
+
+
+def run_bare(preset: str, args: argparse.Namespace, tokens: Path, scratch: Path) -> float:
+    out = scratch / f"bare-{preset}-{time.monotonic_ns()}.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    __file__, "--bare", "--preset", preset, "--steps", str(args.steps), "--data-dir", str(tokens),
+                    "--out", str(out)], check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                   stdout=subprocess.DEVNULL)
+    return _mean_step(json.loads(out.read_text()))
+
+
+def run_trainer(preset: str, memory_every: int, args: argparse.Namespace, tokens: Path, scratch: Path) -> float:
+    from components.train.local import run_local_training
+    from trainer.config import load_config
+    from trainer.run.run_dir import read_jsonl
+
+    run_id = f"overhead-{preset}-{memory_every}-{time.monotonic_ns() % 10**9}"
+    cfg = load_config("local", [f"--run.work_dir={scratch / run_id}", f"--run.run_id={run_id}",
+                                f"--model.preset={preset}", *_shape(args), "--faults.schedule=",
+                                "--eval.every_steps=0", f"--checkpoint.memory_interval_steps={memory_every}",
+                                f"--checkpoint.memory_dir={scratch / run_id / 'node-memory'}"])
+    run_local_training(cfg, tokens)
+    return _mean_step([r["time"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", default="tiny=30,small=14", help="steps per preset (small: ~6 s a step here)")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # a rank of the bare loop
+    parser.add_argument("--preset", help=argparse.SUPPRESS)
+    parser.add_argument("--data-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare:
+        args.steps = int(args.steps)
+        bare_loop(args)
+        return 0
+    steps_of = {preset: int(steps) for preset, steps in (item.split("=") for item in args.steps.split(","))}
+    figures: dict = {"steps": steps_of, "warmup_steps": WARMUP, "ranks": 2, "presets": {}}
+    with tempfile.TemporaryDirectory(prefix="overhead-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        tokens = demo_token_dir(scratch)
+        for preset in args.presets.split(","):
+            args.steps = steps_of[preset]
+            rounds = []
+            for round_index in range(args.rounds):
+                seconds = {"bare": run_bare(preset, args, tokens, scratch)}
+                for name, every in TRAINER_VARIANTS.items():
+                    seconds[name] = run_trainer(preset, every, args, tokens, scratch)
+                rounds.append(seconds)
+                print(f"{preset} round {round_index + 1}: " + ", ".join(f"{k} {v * 1e3:.1f} ms/step"
+                                                                      for k, v in seconds.items()), flush=True)
+            ratio = [r["bare"] / r["trainer"] for r in rounds]
+            share = [1 - r["trainer_no_memory_copy"] / r["trainer"] for r in rounds]
+            share_10 = [1 - r["trainer_no_memory_copy"] / r["trainer_memory_every_10"] for r in rounds]
+            figures["presets"][preset] = {
+                "rounds": rounds, "throughput_over_bare": statistics.median(ratio),
+                "throughput_over_bare_rounds": ratio, "node_memory_copy_share": statistics.median(share),
+                "node_memory_copy_share_every_10": statistics.median(share_10),
+                "trainer_no_memory_copy_over_bare": statistics.median(r["bare"] / r["trainer_no_memory_copy"]
+                                                                      for r in rounds)}
+    presets = figures["presets"]
+    figures["throughput_over_bare"] = min(p["throughput_over_bare"] for p in presets.values())
+    figures["node_memory_copy_share"] = max(p["node_memory_copy_share"] for p in presets.values())
+    write_results(Path(args.out), figures, "bench/overhead.py")
+    print(json.dumps({k: figures[k] for k in ("throughput_over_bare", "node_memory_copy_share")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
