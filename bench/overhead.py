@@ -3,8 +3,8 @@ async checkpoints, the node-memory copy every step and its peer replica, straggl
 the heartbeats) against a bare FSDP2 loop on the same model, data and ranks, in alternating rounds in one run
 (this machine is shared and noisy: only ratios measured side by side are reported).
 
-    python bench/overhead.py                      # tiny (30 steps) and small (14 steps), 2 ranks, 2 rounds
-    python bench/overhead.py --presets tiny --rounds 1 --steps tiny=20
+    python bench/overhead.py                      # tiny (30 steps, 2 rounds), small (14 steps, 1 round), 2 ranks
+    python bench/overhead.py --presets tiny --rounds tiny=1 --steps tiny=20
 
 Per preset and round: the bare loop, then the trainer with the node-memory copy every step (the local config's),
 every 10 steps and never. The figure is the mean wall time per step after the warm-up (a save's stall and a
@@ -105,7 +105,9 @@ def run_trainer(preset: str, memory_every: int, args: argparse.Namespace, tokens
     run_id = f"overhead-{preset}-{memory_every}-{time.monotonic_ns() % 10**9}"
     cfg = load_config("local", [f"--run.work_dir={scratch / run_id}", f"--run.run_id={run_id}",
                                 f"--model.preset={preset}", *_shape(args), "--faults.schedule=",
-                                "--eval.every_steps=0", f"--checkpoint.memory_interval_steps={memory_every}",
+                                # the final evaluation is not timed: the least of it (its generation is minutes here)
+                                "--eval.every_steps=0", "--eval.max_batches=2", "--eval.max_new_tokens=1",
+                                f"--checkpoint.memory_interval_steps={memory_every}",
                                 f"--checkpoint.memory_dir={scratch / run_id / 'node-memory'}"])
     run_local_training(cfg, tokens)
     return _mean_step([r["time"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")])
@@ -114,7 +116,7 @@ def run_trainer(preset: str, memory_every: int, args: argparse.Namespace, tokens
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="tiny,small")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", default="tiny=2,small=1", help="alternating rounds per preset")
     parser.add_argument("--steps", default="tiny=30,small=14", help="steps per preset (small: ~6 s a step here)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # a rank of the bare loop
@@ -126,6 +128,7 @@ def main() -> int:
         bare_loop(args)
         return 0
     steps_of = {preset: int(steps) for preset, steps in (item.split("=") for item in args.steps.split(","))}
+    rounds_of = {preset: int(rounds) for preset, rounds in (item.split("=") for item in args.rounds.split(","))}
     figures: dict = {"steps": steps_of, "warmup_steps": WARMUP, "ranks": 2, "presets": {}}
     with tempfile.TemporaryDirectory(prefix="overhead-") as scratch_dir:
         scratch = Path(scratch_dir)
@@ -133,7 +136,7 @@ def main() -> int:
         for preset in args.presets.split(","):
             args.steps = steps_of[preset]
             rounds = []
-            for round_index in range(args.rounds):
+            for round_index in range(rounds_of[preset]):
                 seconds = {"bare": run_bare(preset, args, tokens, scratch)}
                 for name, every in TRAINER_VARIANTS.items():
                     seconds[name] = run_trainer(preset, every, args, tokens, scratch)
@@ -149,10 +152,10 @@ def main() -> int:
                 "node_memory_copy_share_every_10": statistics.median(share_10),
                 "trainer_no_memory_copy_over_bare": statistics.median(r["bare"] / r["trainer_no_memory_copy"]
                                                                       for r in rounds)}
-    presets = figures["presets"]
-    figures["throughput_over_bare"] = min(p["throughput_over_bare"] for p in presets.values())
-    figures["node_memory_copy_share"] = max(p["node_memory_copy_share"] for p in presets.values())
-    write_results(Path(args.out), figures, "bench/overhead.py")
+            presets = figures["presets"]  # written after each preset: a run cut short keeps what it measured
+            figures["throughput_over_bare"] = min(p["throughput_over_bare"] for p in presets.values())
+            figures["node_memory_copy_share"] = max(p["node_memory_copy_share"] for p in presets.values())
+            write_results(Path(args.out), figures, "bench/overhead.py")
     print(json.dumps({k: figures[k] for k in ("throughput_over_bare", "node_memory_copy_share")}))
     return 0
 
