@@ -52,8 +52,12 @@ def _free_port() -> int:
 @pytest.mark.parametrize("scenario", ["mismatched", "behind"])
 def test_a_real_gloo_hang_names_the_collective_and_the_ranks(tmp_path, scenario):
     mp.spawn(_hang, args=(_free_port(), str(tmp_path), scenario), nprocs=2, join=True)
-    assert sorted(p.name for p in flight_recorder.folder_of(tmp_path, ATTEMPT).iterdir()) == ["rank_0", "rank_1"]
+    assert sorted(p.name for p in flight_recorder.folder_of(tmp_path, ATTEMPT).iterdir()) == [
+        "rank_0", "rank_0.summary", "rank_1", "rank_1.summary"]
     found = flight_recorder.hung_collective(tmp_path, ATTEMPT, world_size=2)
+    # the summaries beside the dumps give what the whole dumps give
+    whole = {r: flight_recorder.read_dump(flight_recorder.folder_of(tmp_path, ATTEMPT) / f"rank_{r}") for r in (0, 1)}
+    assert flight_recorder.analyze(whole, 2) == found
     assert found["seq"] == 4 and not found["completion_tracked"] and found["absent"] == []
     if scenario == "mismatched":  # named after the rank that entered first: either order is the same finding
         named = {"0": "gloo:all_reduce", "1": "gloo:barrier"}
@@ -89,6 +93,8 @@ def test_an_nccl_dump_names_the_oldest_collective_not_completed_and_the_silent_r
                 _nccl_entry(7, "nccl:all_reduce", "scheduled")]
     (folder / "rank_0").write_bytes(pickle.dumps({"version": "2.10", "entries": entries}))
     found = flight_recorder.hung_collective(tmp_path, ATTEMPT, world_size=2)
+    assert flight_recorder.analyze({0: flight_recorder.reduce_dump(pickle.loads((folder / "rank_0").read_bytes()))},
+                                   2) == found
     assert (found["collective"], found["seq"], found["waiting"], found["absent"]) == (
         "nccl:reduce_scatter_tensor_coalesced", 6, [0], [1])
     assert "rank(s) [1] left no dump" in flight_recorder.describe(found)
