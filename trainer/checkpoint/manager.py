@@ -109,7 +109,7 @@ class CheckpointManager:
             return False
         entered = time.perf_counter()
         state = None
-        if self._memory is not None and self._memory.due(step):
+        if self._memory is not None and self._memory.due(step, last=last):
             state = state_fn()
             if self._memory.save(step, state, wait_if_busy=last):
                 self.costs.memory_copy(time.perf_counter() - entered)

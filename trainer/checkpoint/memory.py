@@ -56,9 +56,15 @@ class MemoryTier:
                                      after_commit=self.replicator.replicate if self.replicator else lambda copy: None
                                      ) if copy_async else None
 
-    def due(self, step: int) -> bool:
-        """Every interval_steps, once per step (the loop's last save asks again for the same step)."""
-        return self.interval_steps > 0 and step % self.interval_steps == 0 and step != self.last_saved_step
+    def due(self, step: int, last: bool = False) -> bool:
+        """Every interval_steps, once per step (the loop's last save asks again for the same step), and not while
+        an async copy is still being written (it would be skipped: the state is not even gathered for it)."""
+        if not (self.interval_steps > 0 and step % self.interval_steps == 0 and step != self.last_saved_step):
+            return False
+        if self.copier is not None and self.copier.busy and not last and not self.wait_for_replica:
+            self.copier.skip(step)
+            return False
+        return True
 
     def save(self, step: int, state: dict[str, Any], wait_if_busy: bool = True) -> bool:
         """Copy this step's state (and replicate it); False when an async copy skipped it: the last one was still

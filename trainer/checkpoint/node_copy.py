@@ -54,11 +54,8 @@ class BackgroundCopy:
         """Hand this step's copy over; False (nothing done) when the last copy is still being written and
         wait_if_busy is not set: the copies then run as often as the host can write them, and the loop never
         waits for one (the training's last step waits: its copy is the one a restart wants)."""
-        if self._pending is not None and not self._pending.done() and not wait_if_busy:
-            self.skipped += 1
-            if self.skipped == 1:
-                log.warning("node memory: the copy of the last step is still being written at step %d: copies are "
-                            "skipped until it is done (the node holds an older step; checkpoint.memory_copy)", step)
+        if self.busy and not wait_if_busy:
+            self.skip(step)
             return False
         started = time.perf_counter()
         self.wait()  # the last copy is committed: its slot, and on CUDA the staging buffer, are free again
@@ -69,6 +66,18 @@ class BackgroundCopy:
         self._pending = self._executor.submit(self._write, meta, layout, values)
         self.loop_seconds += time.perf_counter() - started
         return True
+
+    @property
+    def busy(self) -> bool:
+        """A copy is still being written: the next one would be skipped."""
+        return self._pending is not None and not self._pending.done()
+
+    def skip(self, step: int) -> None:
+        """This step's copy is not made: the last one is still being written."""
+        self.skipped += 1
+        if self.skipped == 1:
+            log.warning("node memory: the copy of the last step is still being written at step %d: copies are "
+                        "skipped until it is done (the node holds an older step; checkpoint.memory_copy)", step)
 
     def before_state_changes(self) -> None:
         """Called before anything writes the parameters or the optimizer's state."""
