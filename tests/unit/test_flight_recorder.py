@@ -93,7 +93,7 @@ def test_an_nccl_dump_names_the_oldest_collective_not_completed_and_the_silent_r
                 _nccl_entry(7, "nccl:all_reduce", "scheduled")]
     (folder / "rank_0").write_bytes(pickle.dumps({"version": "2.10", "entries": entries}))
     found = flight_recorder.hung_collective(tmp_path, ATTEMPT, world_size=2)
-    assert flight_recorder.analyze({0: flight_recorder.reduce_dump(pickle.loads((folder / "rank_0").read_bytes()))},
+    assert flight_recorder.analyze({0: flight_recorder.reduce_dump(flight_recorder.read_dump(folder / "rank_0"))},
                                    2) == found
     assert (found["collective"], found["seq"], found["waiting"], found["absent"]) == (
         "nccl:reduce_scatter_tensor_coalesced", 6, [0], [1])
