@@ -3,10 +3,11 @@
 # $OUT/gpu_check.json after every run, so a check cut off by its time limit still leaves what it measured).
 #
 #   bash bench/gpu_check.sh                                              # the repository root, on the GPU machine
-#   PRESET=tiny SMALL=tiny BACKEND=gloo SEQ=128 STEPS=6 bash bench/gpu_check.sh   # its plumbing, on a CPU
+#   PRESET=tiny SMALL=tiny BACKEND=gloo SEQ=128 STEPS=6 VOCAB=0 bash bench/gpu_check.sh   # its plumbing, on a CPU
 #
 # What it measures (bench/README.md says what to compare the figures with):
-#   perf-*    the 1B preset at sequence length 8,192 (1 GPU, no checkpoints): mfu, TFLOP/s per GPU, tokens/s and
+#   perf-*    the 1B preset at sequence length 8,192 with its published 128,256-token vocabulary (VOCAB; the byte
+#             tokenizer's ids fill it: a throughput check), 1 GPU, no checkpoints: mfu, TFLOP/s per GPU, tokens/s and
 #             the CUDA allocator's peaks, for compile off and on, and for selective (op) against full checkpointing;
 #   memcopy   perf-eager again with the node-memory copy after every step and an async FSx save at step 10: the
 #             step's wall time against perf-eager's (the copy's cost), and the loop's stall per save;
@@ -19,6 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=${PRESET:-llama3-1b} SMALL=${SMALL:-small} BACKEND=${BACKEND:-nccl} SEQ=${SEQ:-8192} STEPS=${STEPS:-14}
+VOCAB=${VOCAB:-128256}  # model.vocab_size of the perf runs (0: the preset's own, else the tokenizer's)
 WORK=${WORK:-/tmp/gpu-check}
 RUNS=${RUNS:-"perf-eager perf-compiled memcopy restart nan perf-compiled-full"}  # a rerun of some: RUNS="restart nan"
 RESULTS=${OUT:-$WORK}
@@ -49,7 +51,7 @@ MEMORY_DIR=/dev/shm/gpu-check
 common=(--config local --run.work_dir="$WORK/work" --training.backend="$BACKEND" --training.nproc_per_node=1
         --training.warmup_steps=2 --training.log_every=2 --faults.schedule= --checkpoint.memory_dir="$MEMORY_DIR"
         --eval.every_steps=0 --eval.max_batches=2 --eval.max_new_tokens=8 --eval.export_dtype=bfloat16)
-perf=(--model.preset="$PRESET" --training.batch_size=2 --training.seq_len="$SEQ" --training.num_steps="$STEPS"
+perf=(--model.preset="$PRESET" --model.vocab_size="$VOCAB" --training.batch_size=2 --training.seq_len="$SEQ" --training.num_steps="$STEPS"
       --training.activation_checkpointing=selective --training.selective_ac=op)
 wanted() { [[ " $RUNS " == *" $1 "* ]]; }
 run() {  # name, time limit (s), extra args...: torchrun, one process

@@ -55,7 +55,7 @@ def bare_loop(args: argparse.Namespace) -> None:
     torch.set_num_threads(cfg.training.num_threads)
     device = torch.device("cpu")
     meta = load_meta(args.data_dir)
-    config = llama_config_of(cfg.model, None, meta["vocab_size"], load_tokenizer(meta["tokenizer"]).special_token_ids())
+    config = llama_config_of(cfg.model, None, load_tokenizer(meta["tokenizer"]))
     model = parallelize(build_model(config, cfg.run.seed), cfg.training, device, device_mesh(cfg.training, world, device))
     optimizer = build_optimizer(model, cfg.training, cfg.optimizer, device)
     t = cfg.training

@@ -63,10 +63,14 @@ def _inputs_lines(stage: dict) -> list[str]:
     unknown = stage.get("unknown_files", 0)
     lines = [f"  data               {stage['train_tokens']:,} train tokens from {stage['objects']} object(s)"
              + (f"; {unknown} file(s) of no document format skipped (data.unknown_files)" if unknown else "")]
+    tokenizer = stage.get("tokenizer")  # the one the tokens are of (a stage of an earlier release: its models')
     for model in stage.get("models", []):
-        identity = model.get("content_hash") or model.get("tokenizer_hash") or ""
-        lines.append(f"  {'base model' if model['kind'] == 'model' else 'tokenizer':<18} {model['s3_uri']} "
-                     f"(content hash {identity[:12]})")
+        if model["kind"] == "model" or tokenizer is None:
+            identity = model.get("content_hash") or model.get("tokenizer_hash") or ""
+            lines.append(f"  {'base model' if model['kind'] == 'model' else 'tokenizer':<18} {model['s3_uri']} "
+                         f"(content hash {identity[:12]})")
+    if tokenizer is not None:
+        lines.append(f"  {'tokenizer':<18} {tokenizer['source']} (content hash {tokenizer['content_hash'][:12]})")
     return lines
 
 

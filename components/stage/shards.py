@@ -126,8 +126,8 @@ def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction
     merged = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": first["tokenizer"], "vocab_size": first["vocab_size"],
               "dtype": first["dtype"], "content_hash": combined_content_hash(digests, val_fraction,
                                                                               loaded.tokenizer.to_str(), text_field),
-              "val_fraction": val_fraction, "text_field": text_field, "splits": splits,
-              "shards": [shard["dir"] for shard in shards]}
+              "tokenizer_hash": loaded.content_hash(), "val_fraction": val_fraction, "text_field": text_field,
+              "splits": splits, "shards": [shard["dir"] for shard in shards]}
     write_json(dataset_dir / META_FILE, merged)
     _delete_unlisted(dataset_dir, {Path(shard["dir"]).name for shard in shards})
     log.info("%d token shard(s) in %s: %d train / %d val tokens", count, dataset_dir, splits["train"]["tokens"],
@@ -154,6 +154,7 @@ def write_mixture(data_dir: Path, parts: list[tuple[Any, Path, dict[str, Any]]])
         raise DataError(f"{data_dir}: the corpora were tokenized with different tokenizers {sorted(kinds)}: stage "
                         "them again with one data.tokenizer")
     [(tokenizer, vocab, dtype)] = kinds
+    tokenizer_hash = next((tokens.get("tokenizer_hash") for _, _, tokens in parts), None)
     mixture = [{"name": source.name, "dir": os.path.relpath(folder, data_dir), "weight": source.weight,
                 "text_field": source.text_field, "content_hash": tokens["content_hash"]}
                for source, folder, tokens in parts]
@@ -162,7 +163,7 @@ def write_mixture(data_dir: Path, parts: list[tuple[Any, Path, dict[str, Any]]])
     content_hash = hashlib.sha256(json.dumps([[m["name"], m["weight"], m["content_hash"]] for m in mixture])
                                   .encode()).hexdigest()
     meta = {"format_version": SHARD_FORMAT_VERSION, "mixture": mixture, "tokenizer": tokenizer, "vocab_size": vocab,
-            "dtype": dtype, "content_hash": content_hash, "splits": splits}
+            "tokenizer_hash": tokenizer_hash, "dtype": dtype, "content_hash": content_hash, "splits": splits}
     data_dir.mkdir(parents=True, exist_ok=True)
     write_json(data_dir / META_FILE, meta)
     return meta

@@ -67,8 +67,8 @@ def data_fingerprint(cfg) -> str:
 
 def staged_prefixes(cfg) -> list[str]:
     """Every S3 prefix the stage step stages: the base model's, the tokenizer's (when another), each corpus's."""
-    models = [uri for uri in (cfg.model.init_from, cfg.data.tokenizer) if uri.startswith("s3://")]
-    return list(dict.fromkeys(models)) + [source.s3_uri for source in cfg.data.sources()]
+    models = [uri for uri in (cfg.model.init_from, cfg.tokenizer_source) if uri.startswith("s3://")]
+    return list(dict.fromkeys(uri.rstrip("/") for uri in models)) + [source.s3_uri for source in cfg.data.sources()]
 
 
 def not_writable_hint(namespace: str) -> str:
@@ -139,7 +139,8 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None, tokenize
                   source: DatasetConfig | None = None, tokenizer: str | None = None,
                   field: str = "data.s3_uri") -> dict[str, Any]:
     """Stage a corpus (default: data's one, data.s3_uri) into <dataset_dir>/raw by data.stage_mode, tokenize it
-    with `tokenizer` (default data.tokenizer: a name or folder), write the manifest.
+    with `tokenizer` (default data.tokenizer, or byte: a name or folder; a run's is Config.tokenizer_spec), write the
+    manifest.
 
     `fsx` is an FSx client for dra mode (created when omitted). Concurrent stages of the same dataset folder (two
     pipeline runs at once) take turns. The dataset folder is created here, before a DRA links raw/ below it, so
@@ -172,7 +173,7 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None, tokenize
         groups = [{**group, "dataset": source.name}
                   for group in plan_groups(documents, dataset_dir, data.tokenize_tasks)]
         tokens, tokenize_started = None, time.perf_counter()
-        tokenizer = tokenizer if tokenizer is not None else data.tokenizer
+        tokenizer = tokenizer if tokenizer is not None else data.tokenizer or "byte"  # (no base model here)
         if tokenize:
             shards = [tokenize_group(group, dataset_dir, data.val_fraction, tokenizer, source.text_field)
                       for group in groups]

@@ -25,6 +25,7 @@ from components.stage.shards import collect_shards, dataset_lock, tokenize_group
 from components.stage.staging import STAGE_ERROR, STAGE_MANIFEST, make_folder, stage_dataset
 from trainer.config import Config, DatasetConfig
 from trainer.config.rules import InputError
+from trainer.data.tokenizer import load_tokenizer
 from trainer.run.run_dir import read_json, write_json
 
 
@@ -61,13 +62,15 @@ def run_stage(cfg: Config, data_fingerprint: str = "", *, tokenize: bool = True)
     started = time.perf_counter()
     with recording_stage_error(cfg):
         models = stage_models(cfg)  # first: the tokenizer the corpora are tokenized with
+        tokenizer = {"source": cfg.tokenizer_source, "dir": cfg.tokenizer_spec,
+                     "content_hash": load_tokenizer(cfg.tokenizer_spec).content_hash()}
         manifests = [stage_dataset(cfg.data, cfg.dataset_dir_of(source.name), cfg.fsx_root, tokenize=tokenize,
                                    source=source, tokenizer=cfg.tokenizer_spec, field=_field_of(cfg, index))
                      for index, source in enumerate(cfg.data.sources())]
         manifest_hash = (manifests[0]["manifest_hash"] if not cfg.data.mixed else hashlib.sha256(json.dumps(
             [[m["dataset"], m["weight"], m["manifest_hash"]] for m in manifests]).encode()).hexdigest())
         tokens = (_mixture(cfg, manifests) if cfg.data.mixed else manifests[0]["tokens"]) if tokenize else None
-        _write_data_manifest(cfg, manifests, models, manifest_hash, tokens)
+        _write_data_manifest(cfg, manifests, models, tokenizer, manifest_hash, tokens)
     staged = {"data_dir": str(cfg.dataset_dir), "s3_uri": ", ".join(m["s3_uri"] for m in manifests),
               "mode": cfg.data.stage_mode, "objects": sum(m["object_count"] for m in manifests),
               "bytes": sum(m["bytes"] for m in manifests), "downloaded": sum(m["downloaded"] for m in manifests),
@@ -76,6 +79,7 @@ def run_stage(cfg: Config, data_fingerprint: str = "", *, tokenize: bool = True)
               "unknown_files": sum(m["unknown_files_count"] for m in manifests),
               "manifest_hash": manifest_hash, "dra": manifests[0]["dra"], "data_fingerprint": data_fingerprint,
               "datasets": [_dataset_summary(m) for m in manifests], "models": [_model_summary(m) for m in models],
+              "tokenizer": tokenizer,
               "stage_seconds": time.perf_counter() - started,
               "token_groups": [group for m in manifests for group in m["token_groups"]]}
     if not tokenize:
@@ -95,16 +99,17 @@ def _model_summary(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_data_manifest(cfg: Config, manifests: list[dict[str, Any]], models: list[dict[str, Any]],
-                         manifest_hash: str, tokens: dict[str, Any] | None) -> None:
-    """The data folder's stage manifest: the corpus's own (one corpus) or the mixture's, with the models staged."""
+                         tokenizer: dict[str, Any], manifest_hash: str, tokens: dict[str, Any] | None) -> None:
+    """The data folder's stage manifest: the corpus's own (one corpus) or the mixture's, with the models staged and
+    the tokenizer the tokens are of (where it came from, its content hash)."""
     path = cfg.dataset_dir / STAGE_MANIFEST
     if not cfg.data.mixed:
-        write_json(path, {**manifests[0], "models": [_model_summary(m) for m in models]})
+        write_json(path, {**manifests[0], "models": [_model_summary(m) for m in models], "tokenizer": tokenizer})
         return
     make_folder(cfg.dataset_dir)
     write_json(path, {"mode": cfg.data.stage_mode, "mixture": True, "manifest_hash": manifest_hash,
                       "datasets": [_dataset_summary(m) for m in manifests],
-                      "models": [_model_summary(m) for m in models], "tokens": tokens})
+                      "models": [_model_summary(m) for m in models], "tokenizer": tokenizer, "tokens": tokens})
 
 
 def _mixture(cfg: Config, manifests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -179,6 +184,9 @@ def run_record_stage(cfg: Config, staged: dict[str, Any]) -> dict[str, Any]:
             prefix = "base_model" if model["kind"] == "model" else "tokenizer"
             hashes[f"{prefix}_uri"] = model["s3_uri"]
             hashes[f"{prefix}_content_hash"] = model.get("content_hash") or model.get("tokenizer_hash") or ""
+        tokenizer = staged.get("tokenizer")  # (a staging cached by an earlier release has none)
+        if tokenizer:  # the tokenizer's identity beside the model's, whichever it is (the base model's own, byte)
+            hashes.update(tokenizer_uri=tokenizer["source"], tokenizer_content_hash=tokenizer["content_hash"])
         mlflow.set_tags(run, {"stage_mode": staged["mode"], **hashes})
         mlflow.set_tags(tracking.PARENT, hashes)  # runs are compared by the data and the base model they trained on
         mlflow.log_artifact(run, Path(staged["data_dir"]) / STAGE_MANIFEST)

@@ -12,6 +12,7 @@ import pytest
 from components.train.local import run_local_training
 from pipelines.demo_data import generate_documents
 from tests.base_model import make_base_model
+from trainer.data.shards import tokenize_files
 from trainer.model.base import BASE_INDEX, index_base_weights, read_base_config
 from trainer.run.events import read_events
 from trainer.run.run_dir import write_json
@@ -21,23 +22,30 @@ pytestmark = pytest.mark.integration
 BASE = "s3://models/base-models/tiny-llama"  # staged: the trainer reads its index and files from FSx, not S3
 
 
-def _stage(fsx_root, **shape):
-    """What the stage step leaves for BASE: the files in models/tiny-llama/hf, the checked index beside them."""
-    folder = fsx_root / "models" / "tiny-llama" / "hf"
-    make_base_model(folder, generate_documents(300, seed=1), **shape)
+def _stage(cfg, **shape):
+    """What the stage step leaves for BASE (cfg.staged_model_dir: models/tiny-llama-<hash of the URI>): the files
+    and the model's own tokenizer in hf/, the checked index beside them; and the corpus tokenized with that
+    tokenizer. Returns (the index, the token folder)."""
+    folder = cfg.base_model_dir
+    texts = generate_documents(300, seed=1)
+    make_base_model(folder, texts, **shape)
     index = index_base_weights(folder, read_base_config(folder))
     write_json(folder.parent / BASE_INDEX, index)
-    return index
+    raw = cfg.fsx_root / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    tokenize_files([raw], cfg.fsx_root / "datasets" / "tokens", 0.1, tokenizer=cfg.tokenizer_spec)
+    return index, cfg.fsx_root / "datasets" / "tokens"
 
 
-def test_2_nodes_x_2_ranks_read_the_weights_once_and_a_restart_reads_node_memory(tmp_path, token_dir, training_config):
-    index = _stage(tmp_path / "fsx", hidden=128, layers=4, steps=5, shard="400KB")
+def test_2_nodes_x_2_ranks_read_the_weights_once_and_a_restart_reads_node_memory(tmp_path, training_config):
     cfg = training_config(tmp_path, "reads", f"--model.init_from={BASE}", "--training.num_nodes=2",
                           "--training.nproc_per_node=2", "--checkpoint.memory_node_per_rank=false",
                           "--training.num_steps=3", "--checkpoint.interval_steps=100",
                           "--faults.schedule=sigkill@2:rank=1", "--resilience.straggler_interval=0",
                           "--resilience.initial_heartbeat_timeout=120")
-    result = run_local_training(cfg, token_dir)
+    assert cfg.tokenizer_spec == str(cfg.base_model_dir)  # data.tokenizer unset: the base model's own
+    index, tokens = _stage(cfg, hidden=128, layers=4, steps=5, shard="400KB")
+    result = run_local_training(cfg, tokens)
 
     assert result["steps"] == 3 and len(index["files"]) >= 3
     [loaded] = read_events(cfg.run_dir, "base_model_loaded")  # the first start only: the restart did not read it
@@ -52,6 +60,9 @@ def test_2_nodes_x_2_ranks_read_the_weights_once_and_a_restart_reads_node_memory
 @pytest.mark.parametrize("damage, message", [
     ("truncate", r"model-00002-of-0000\d.safetensors: not a valid safetensors file"),
     ("config", r"config.json: model_type 'gpt2' is not Llama-family"),
+    # the corpus was tokenized with the byte tokenizer, not the model's: its BOS 256 is not the model's
+    ("tokenizer", r"data.tokenizer \(byte\): its bos_token '<\|bos\|>' is id 256, but the base model "
+                  r"\(model.init_from, .*config.json\) names bos_token_id 0 in config.json"),
 ])
 def test_a_base_model_that_cannot_be_used_exits_2_naming_the_file(tmp_path, token_dir, damage, message):
     folder = tmp_path / "base"
@@ -59,7 +70,7 @@ def test_a_base_model_that_cannot_be_used_exits_2_naming_the_file(tmp_path, toke
     if damage == "truncate":
         path = sorted(folder.glob("*.safetensors"))[1]
         path.write_bytes(path.read_bytes()[:-100])
-    else:
+    elif damage == "config":
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     command = [sys.executable, "-m", "trainer", "--config", "local", "--data-dir", str(token_dir),

@@ -1,7 +1,8 @@
 """A real job's inputs, end to end through the CLI as a user runs it: a base model and its tokenizer in S3 (a small
 Llama-family model with GQA, tied embeddings and llama3 rope scaling, saved with save_pretrained over several
 safetensors files; a BPE tokenizer trained here, with its BOS, EOS and a chat template), two corpora (.jsonl.gz with
-the text in "content", .parquet) mixed 3:1, from S3 on loopback to the registered model."""
+the text in "content", .parquet) mixed 3:1, from S3 on loopback to the registered model. data.tokenizer is not set:
+the base model's own tokenizer, beside its weights, is the one used."""
 
 import gzip
 import json
@@ -19,7 +20,9 @@ import pytest
 
 from pipelines.demo_data import generate_documents
 from tests.base_model import CHAT_TEMPLATE, loss_of, make_base_model
+from trainer.config.rules import staged_folder_name
 from trainer.data.batches import TokenBatches
+from trainer.data.tokenizer import load_tokenizer
 from trainer.model.base import BASE_INDEX
 from trainer.run.events import read_events
 from trainer.run.run_dir import read_jsonl
@@ -75,7 +78,7 @@ def inputs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def run(inputs, tmp_path_factory):
     work = tmp_path_factory.mktemp("cpt")
-    proc = run_cli("run", work, "--run.run_id=cpt", f"--model.init_from={BASE}", f"--data.tokenizer={BASE}",
+    proc = run_cli("run", work, "--run.run_id=cpt", f"--model.init_from={BASE}",  # data.tokenizer unset
                    f"--data.datasets={DATASETS}", "--data.dataset_name=mix", *SHAPE)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return {"work": work, "proc": proc, "run_dir": work / "fsx" / "runs" / "cpt"}
@@ -111,23 +114,36 @@ def test_the_corpora_are_mixed_by_weight_and_the_unknown_file_is_counted(run):
     assert manifest["unknown_files"] == ["_SUCCESS"] and manifest["unknown_files_count"] == 1
 
 
-def test_the_staged_model_is_recorded_with_its_uri_and_content_hash(run):
+def test_the_staged_model_and_its_tokenizer_are_recorded_with_their_uri_and_content_hash(run):
+    """The model's folder is named by its whole URI (tiny-llama-<hash>) and its manifest names the URI; its own
+    tokenizer (data.tokenizer unset) is what the corpora were tokenized with, and its content hash is in the stage
+    manifest, tokens.json, the checkpoint's manifest and MLflow beside the model's."""
     from mlflow.tracking import MlflowClient
 
-    staged = run["work"] / "fsx" / "models" / "tiny-llama"
+    staged = run["work"] / "fsx" / "models" / staged_folder_name(BASE)
+    assert staged.name.startswith("tiny-llama-") and not (run["work"] / "fsx" / "models" / "tiny-llama").exists()
     index = json.loads((staged / BASE_INDEX).read_text())
     assert len(index["files"]) == 4 and (staged / "hf" / "config.json").is_file()
+    assert json.loads((staged / "stage-manifest.json").read_text())["s3_uri"] == BASE
+    tokenizer_hash = load_tokenizer(str(staged / "hf")).content_hash()
     stage = json.loads((run["run_dir"] / "steps" / "stage.json").read_text())
     [model] = stage["models"]  # the tokenizer's prefix is the model's: staged once
     assert model["s3_uri"] == BASE and model["content_hash"] == index["content_hash"] and model["chat_template"]
+    assert model["tokenizer_hash"] == tokenizer_hash
+    assert stage["tokenizer"] == {"source": BASE, "dir": str(staged / "hf"), "content_hash": tokenizer_hash}
     data_manifest = json.loads((run["work"] / "fsx" / "datasets" / "mix" / "stage-manifest.json").read_text())
     assert data_manifest["models"][0]["content_hash"] == index["content_hash"]
+    assert data_manifest["tokenizer"]["content_hash"] == tokenizer_hash
+    tokens = json.loads((run["work"] / "fsx" / "datasets" / "mix" / "tokens.json").read_text())
+    assert tokens["tokenizer"] == str(staged / "hf") and tokens["tokenizer_hash"] == tokenizer_hash
     summary = json.loads((run["run_dir"] / "summary.json").read_text())
     parent = MlflowClient(summary["mlflow_tracking_uri"]).get_run(summary["mlflow_parent_run_id"])
     assert parent.data.tags["base_model_uri"] == BASE
     assert parent.data.tags["base_model_content_hash"] == index["content_hash"]
+    assert parent.data.tags["tokenizer_uri"] == BASE and parent.data.tags["tokenizer_content_hash"] == tokenizer_hash
     manifest = json.loads(Path(summary["checkpoint"], "manifest.json").read_text())
     assert manifest["base_model"] == {"init_from": BASE, "content_hash": index["content_hash"]}
+    assert manifest["tokenizer"] == str(staged / "hf") and manifest["tokenizer_hash"] == tokenizer_hash
 
 
 def test_the_registered_model_loads_in_plain_transformers_with_the_tokenizers_chat_template(run, inputs, tmp_path):
@@ -173,6 +189,23 @@ def _small_vocabulary(inputs, prefix: str) -> str:
     return ""
 
 
+def _other_eos(inputs, prefix: str) -> str:
+    """The base model again, its generation_config.json naming other EOS ids than its tokenizer's."""
+    _upload_folder(inputs["s3"], inputs["base"], "models", prefix)
+    generation = json.loads((inputs["base"] / "generation_config.json").read_text())
+    inputs["s3"].put_object(Bucket="models", Key=f"{prefix}/generation_config.json",
+                            Body=json.dumps({**generation, "eos_token_id": [7, 8]}).encode())
+    return ""
+
+
+def _no_tokenizer(inputs, prefix: str) -> str:
+    """The base model's config and weights without its tokenizer files."""
+    for path in sorted(inputs["base"].iterdir()):
+        if path.name == "config.json" or path.suffix == ".safetensors" or path.name.endswith(".index.json"):
+            inputs["s3"].upload_file(str(path), "models", f"{prefix}/{path.name}")
+    return ""
+
+
 def _no_text_field(inputs, prefix: str) -> str:
     inputs["s3"].put_object(Bucket="corpus", Key=f"{prefix}/a.jsonl", Body=b'{"content": "ok"}\n{"body": "x"}\n')
     return ""
@@ -192,6 +225,15 @@ def _corrupt_gzip(inputs, prefix: str) -> str:
      r"{victim}: not a valid safetensors file"),
     ("tokenizer-mismatch", _small_vocabulary, ["--model.init_from=s3://models/base-models/small-vocab"],
      r"data.tokenizer \(.*\) has 384 ids, the base model \(model.init_from, .*\) a vocabulary of 200"),
+    ("byte-with-base", None, ["--data.tokenizer=byte"],
+     r"data.tokenizer: 'byte' with model.init_from=s3://models/base-models/tiny-llama: a base model is trained "
+     r"further with the tokenizer it was trained with"),
+    ("other-eos", _other_eos, ["--model.init_from=s3://models/base-models/other-eos"],
+     r"data.tokenizer \(.*\): its eos_token '<\|end_of_text\|>' is id 1, but the base model \(model.init_from, "
+     r".*\) names eos_token_id \[7, 8\] in generation_config.json"),
+    ("no-tokenizer", _no_tokenizer, ["--model.init_from=s3://models/base-models/no-tokenizer"],
+     r"data.tokenizer is unset, so the base model's own tokenizer is used, but "
+     r"model.init_from=s3://models/base-models/no-tokenizer staged no tokenizer.json"),
     ("no-text-field", _no_text_field, ['--data.datasets=[{name: nofield, s3_uri: "s3://corpus/datasets/nofield", '
                                        'text_field: content}]'],
      r"a.jsonl:2: no 'content' field \(data.text_field\)"),
@@ -204,11 +246,11 @@ def _corrupt_gzip(inputs, prefix: str) -> str:
 def test_a_bad_input_is_one_line_naming_it_and_exit_2_before_training(inputs, tmp_path, case, prepare, overrides,
                                                                      message):
     prefix = {"corrupt-weights": "base-models/corrupt", "tokenizer-mismatch": "base-models/small-vocab",
+              "other-eos": "base-models/other-eos", "no-tokenizer": "base-models/no-tokenizer",
               "no-text-field": "datasets/nofield", "corrupt-gzip": "datasets/badgz"}.get(case)
     victim = prepare(inputs, prefix) if prepare else ""
     base = [] if any(o.startswith("--model.init_from") for o in overrides) else [f"--model.init_from={BASE}"]
-    proc = run_cli("stage", tmp_path, f"--data.tokenizer={BASE}", f"--data.datasets={DATASETS}",
-                   "--data.dataset_name=mix", *base, *overrides)
+    proc = run_cli("stage", tmp_path, f"--data.datasets={DATASETS}", "--data.dataset_name=mix", *base, *overrides)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert re.search(message.format(victim=re.escape(victim)), line), line
@@ -217,7 +259,7 @@ def test_a_bad_input_is_one_line_naming_it_and_exit_2_before_training(inputs, tm
 
 def test_the_pipeline_stops_at_the_stage_with_exit_2_when_the_weights_are_missing(inputs, tmp_path):
     proc = run_cli("run", tmp_path, "--run.run_id=missing", f"--model.init_from={BASE}-missing",
-                   f"--data.tokenizer={BASE}", f"--data.datasets={DATASETS}", "--data.dataset_name=mix", *SHAPE)
+                   f"--data.datasets={DATASETS}", "--data.dataset_name=mix", *SHAPE)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "fsx" / "runs" / "missing" / "summary.json").read_text())
     [error] = summary["errors"]

@@ -31,7 +31,7 @@ STAGED_BASE_CONFIG = ROOT / "tests" / "data" / "llama-3.1-8b"
 @pytest.fixture(scope="module", params=OVERLAYS)
 def cluster(request):
     """(overlay name, its built objects, the EKS config that targets it)."""
-    staged = [f"--model.init_from={STAGED_BASE_CONFIG}"] if request.param == "cpt" else []
+    staged = [f"--model.init_from={STAGED_BASE_CONFIG}"] if request.param != "dev" else []
     cfg = load_config(ROOT / "pipelines" / "configs" / f"eks-{request.param}.yaml", ["--run.run_id=first-run", *staged])
     return request.param, build(MANIFESTS / "overlays" / request.param), cfg
 

@@ -129,8 +129,8 @@ def test_prod_sizes_and_gang_admission(built):
         assert container["resources"]["limits"]["vpc.amazonaws.com/efa"] == 32
 
 
-# The cpt config's base model as the stage step leaves it on FSx (its config.json sizes the TrainJob).
-STAGED = {"cpt": [f"--model.init_from={ROOT / 'tests' / 'data' / 'llama-3.1-8b'}"]}
+# The prod and cpt configs' base model as the stage step leaves it on FSx (its config.json sizes the TrainJob).
+STAGED = {name: [f"--model.init_from={ROOT / 'tests' / 'data' / 'llama-3.1-8b'}"] for name in ("prod", "cpt")}
 
 
 @pytest.mark.parametrize("overlay", ["prod", "cpt"])

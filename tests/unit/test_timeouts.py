@@ -4,6 +4,7 @@ The configs we ship and the TrainJobs they render must keep it — read back fro
 those numbers, not the config's, are what a cluster runs."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -45,10 +46,14 @@ def _walk_env(node):
             yield from _walk_env(value)
 
 
+# The prod config's base model as the stage step leaves it on FSx (its config.json sizes the timeouts).
+STAGED = f"--model.init_from={Path(__file__).resolve().parents[1] / 'data' / 'llama-3.1-8b'}"
+
+
 @pytest.mark.parametrize("config, overrides", [
-    ("pipelines/configs/eks-prod.yaml", []),
+    ("pipelines/configs/eks-prod.yaml", [STAGED]),
     ("pipelines/configs/eks-dev.yaml", []),
-    ("pipelines/configs/eks-prod.yaml", ["--training.replica_groups=2"]),  # the lighthouse's rung
+    ("pipelines/configs/eks-prod.yaml", [STAGED, "--training.replica_groups=2"]),  # the lighthouse's rung
 ])
 def test_the_shipped_configs_and_their_trainjobs_keep_the_timeouts_in_order(tmp_path, config, overrides):
     cfg = load_config(config, ["--run.run_id=t", f"--data.fsx_root={tmp_path}", *overrides])

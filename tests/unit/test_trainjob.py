@@ -3,6 +3,8 @@ idempotent create / re-attach / state mapping against a stand-in for the Kuberne
 cannot exist here; every object sent is schema-checked)."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -13,11 +15,20 @@ from tests.crd_schema import crd_errors
 from trainer.config import load_config
 
 EKS = "pipelines/configs/eks-prod.yaml"
+PUBLISHED_8B = Path(__file__).resolve().parents[1] / "data" / "llama-3.1-8b" / "config.json"
+
+
+def _staged(cfg):
+    """The config with what its stage step leaves on FSx before a TrainJob is built: the base model's config.json,
+    which sizes the job."""
+    cfg.base_model_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PUBLISHED_8B, cfg.base_model_dir / "config.json")
+    return cfg
 
 
 @pytest.fixture
 def cfg(tmp_path):
-    return load_config(EKS, ["--run.run_id=nightly-2026-11-29", f"--data.fsx_root={tmp_path}"])
+    return _staged(load_config(EKS, ["--run.run_id=nightly-2026-11-29", f"--data.fsx_root={tmp_path}"]))
 
 
 def test_the_trainjob_validates_strictly_against_the_crd(cfg):
@@ -27,7 +38,7 @@ def test_the_trainjob_validates_strictly_against_the_crd(cfg):
     assert spec["runtimeRef"] == {"name": "resilient-train-fsdp-nvrx"}
     assert spec["trainer"]["numNodes"] == 8 and spec["trainer"]["numProcPerNode"] == 8
     assert spec["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8, "vpc.amazonaws.com/efa": 32,
-                                                             "memory": "555Gi"}
+                                                             "memory": "562Gi"}  # 8.03 B (its config.json): node memory
     command = spec["trainer"]["command"]
     assert command[:9] == ["python", "-m", "trainer.launcher", "--node-store=/node-memory/nightly-2026-11-29",
                            "--fork-server", f"--run-dir={cfg.run_dir}",
@@ -225,8 +236,8 @@ def test_a_job_in_replica_groups_gets_its_lighthouse_and_each_node_its_group(tmp
     """R >= 2: every node knows the lighthouse (the runtime's `lighthouse` pod, through the JobSet's headless
     Service) and splits its index into a group (--replica-groups); the lighthouse pod gets its arguments from the
     config through a runtime patch (a container's env may be patched on any replicated job but the trainer's)."""
-    cfg = load_config(EKS, ["--run.run_id=groups", f"--data.fsx_root={tmp_path}", "--training.replica_groups=2",
-                            "--resilience.lighthouse_join_timeout_seconds=10"])
+    cfg = _staged(load_config(EKS, ["--run.run_id=groups", f"--data.fsx_root={tmp_path}",
+                                    "--training.replica_groups=2", "--resilience.lighthouse_join_timeout_seconds=10"]))
     job = build_trainjob(cfg, "/fsx/datasets/v1")
     assert crd_errors(job) == []
     name = job["metadata"]["name"]
@@ -240,7 +251,8 @@ def test_a_job_in_replica_groups_gets_its_lighthouse_and_each_node_its_group(tmp
     assert args[args.index("--join_timeout_ms") + 1] == "10000" and args[args.index("--bind") + 1] == "[::]:29510"
     assert args[args.index("--min_replicas") + 1] == "1"
     # one group: no lighthouse arguments (its pod exits at once) and no group option
-    single = build_trainjob(load_config(EKS, ["--run.run_id=one", f"--data.fsx_root={tmp_path}"]), "/fsx/datasets/v1")
+    single = build_trainjob(_staged(load_config(EKS, ["--run.run_id=one", f"--data.fsx_root={tmp_path}"])),
+                            "/fsx/datasets/v1")
     assert not any(j["name"] == "lighthouse" for j in
                    single["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"])
     assert not any(a.startswith("--replica-groups") for a in single["spec"]["trainer"]["command"])

@@ -69,10 +69,13 @@ class DataConfig:
     """S3 endpoint override (e.g. an S3-compatible server); empty uses boto3's standard resolution
     (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, then AWS)."""
 
-    tokenizer: str = "byte"
-    """'byte' (built-in byte-level tokenizer, no files), a folder with an HF tokenizer (tokenizer.json and
-    tokenizer_config.json), or the S3 prefix of one (s3://bucket/prefix: staged like the model, under
-    <fsx_root>/models/<last segment of the prefix>/hf; often model.init_from's prefix)."""
+    tokenizer: str = ""
+    """The tokenizer: empty (default) takes the base model's own (model.init_from's folder or S3 prefix, which
+    must hold tokenizer.json), or the built-in byte tokenizer when training from scratch; 'byte' (built-in
+    byte-level tokenizer, no files: from scratch only); a folder with an HF tokenizer (tokenizer.json and
+    tokenizer_config.json); or the S3 prefix of one (s3://bucket/prefix: staged like the model, under
+    <fsx_root>/models/<last segment>-<hash of the URI>/hf). With a base model, its BOS and EOS ids must be the
+    ones the model's config.json and generation_config.json name."""
 
     val_fraction: float = 0.05
     """Fraction of the documents held out for evaluation (chosen deterministically by document hash)."""

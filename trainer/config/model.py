@@ -8,6 +8,15 @@ from typing import Any, Literal
 
 from trainer.config.rules import check_s3_uri, is_s3_uri, require
 
+# Llama 3's rotary scaling ("llama3"): the published configs' rope_scaling, with the factor each model names.
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+# transformers LlamaConfig arguments. A preset named after a published model is that model's config.json
+# (tests/unit/test_presets.py compares them with tests/data/<model>/config.json), its vocabulary included; the
+# others take the tokenizer's vocabulary.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # A few M params: the CPU demo and the tests.
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
@@ -17,15 +26,26 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=12,
                   num_key_value_heads=4, max_position_embeddings=2048, rope_theta=500000.0,
                   tie_word_embeddings=False),
-    # Llama-3.2-1B's shape.
+    # meta-llama/Llama-3.2-1B's config.json.
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                      num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                      num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                      rope_scaling=_llama3_rope(32.0), rms_norm_eps=1e-5, vocab_size=128256,
                       tie_word_embeddings=True),
-    # Llama-3.1-8B's shape.
+    # meta-llama/Llama-3.1-8B's config.json.
     "llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                        num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+                        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072, rope_theta=500000.0,
+                        rope_scaling=_llama3_rope(8.0), rms_norm_eps=1e-5, vocab_size=128256,
                         tie_word_embeddings=False),
 }
+# The published model each preset is, where it is one (its Hugging Face name).
+PUBLISHED_PRESETS = {"llama3-1b": "meta-llama/Llama-3.2-1B", "llama3.1-8b": "meta-llama/Llama-3.1-8B"}
+
+
+def preset_arguments(model: "ModelConfig", tokenizer_vocab: int) -> dict[str, Any]:
+    """The LlamaConfig arguments of model.preset with its vocabulary: model.vocab_size when set, else the
+    published model's, else the tokenizer's."""
+    preset = dict(MODEL_PRESETS[model.preset])
+    return {**preset, "vocab_size": model.vocab_size or preset.get("vocab_size") or tokenizer_vocab}
 
 
 @dataclass
@@ -39,12 +59,14 @@ class ModelConfig:
     init_from: str = ""
     """A Llama-family base model in Hugging Face format (config.json + *.safetensors) to continue from: a local
     folder, or its S3 prefix (s3://bucket/prefix), which the stage step stages under
-    <fsx_root>/models/<last segment of the prefix>/hf and checks once. Empty starts from random weights. A
+    <fsx_root>/models/<last segment>-<hash of the URI>/hf and checks once. Its own tokenizer (tokenizer.json
+    beside the weights) is used unless data.tokenizer names another. Empty starts from random weights. A
     checkpoint of the run to resume from takes precedence."""
 
     vocab_size: int = 0
-    """Vocabulary size of a model trained from scratch; 0 means the tokenizer's (the built-in byte tokenizer has
-    258). Ignored with init_from (the base model's config.json has it)."""
+    """Vocabulary size of a model trained from scratch; 0 means the preset's where it is a published model's
+    (llama3-1b, llama3.1-8b: 128,256), else the tokenizer's (the built-in byte tokenizer has 258). Ignored with
+    init_from (the base model's config.json has it)."""
 
     def __post_init__(self) -> None:
         require(self.preset in MODEL_PRESETS, "model.preset", f"must be one of {sorted(MODEL_PRESETS)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -50,7 +51,11 @@ def is_s3_uri(value: str) -> bool:
 
 def staged_folder_name(uri: str) -> str:
     """The folder an S3 prefix is staged into below <fsx_root>/models: its last segment (the bucket's name for
-    the bucket's root), with characters a folder name should not have replaced by '-'."""
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    last = prefix.strip("/").rsplit("/", 1)[-1] or bucket
-    return re.sub(r"[^A-Za-z0-9._-]", "-", last)
+    the bucket's root), with characters a folder name should not have replaced by '-', and 8 hex digits of the
+    whole URI's hash, so that two prefixes ending alike (s3://a/x/hf, s3://b/y/hf) never share a folder. A
+    trailing '/' names the same prefix."""
+    normalized = uri.rstrip("/")
+    bucket, _, prefix = normalized[len("s3://"):].partition("/")
+    last = prefix.rsplit("/", 1)[-1] or bucket
+    digest = hashlib.sha256(normalized.encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '-', last)}-{digest}"

@@ -15,10 +15,10 @@ import yaml
 from trainer.config.drills import NETWORK_FAULTS, parse_schedule, unfirable
 from trainer.config.platform import EvalConfig, KubernetesConfig, LocalConfig, MlflowConfig
 from trainer.config.resilience import FaultsConfig, ResilienceConfig
-from trainer.config.rules import is_s3_uri, require, staged_folder_name
+from trainer.config.rules import ConfigError, is_s3_uri, require, staged_folder_name
 from trainer.config.timeouts import check_timeouts
 from trainer.config.data import DataConfig
-from trainer.config.model import ModelConfig
+from trainer.config.model import MODEL_PRESETS, PUBLISHED_PRESETS, ModelConfig
 from trainer.config.training import CheckpointConfig, OptimizerConfig, RunConfig, TrainingConfig
 from trainer.run.run_dir import RunDir
 
@@ -66,6 +66,7 @@ class Config:
         require(self.local.node_network == "loopback" or self.training.num_nodes > 1, "local.node_network",
                 "netns gives each node a network of its own: it needs training.num_nodes > 1")
         check_timeouts(self)
+        self._check_tokenizer()
         require(self.resilience.min_replica_groups <= self.training.replica_groups, "resilience.min_replica_groups",
                 f"must be in [1, training.replica_groups={self.training.replica_groups}] (0: every group)")
         require(self.training.replica_groups == 1 or self.local.node_loss != "restart_job", "local.node_loss",
@@ -75,6 +76,35 @@ class Config:
                 "has no node to replace it with: use report")
         require(self.resilience.on_straggler == "report" or self.resilience.straggler_interval > 0,
                 "resilience.on_straggler", "replace_node needs straggler detection (resilience.straggler_interval > 0)")
+
+    def _check_tokenizer(self) -> None:
+        """A model must see the ids it was made for: a base model its own tokenizer's, a published preset its
+        published vocabulary's (the files' checks, BOS/EOS against the base model's, are trainer.model.base's)."""
+        init, tokenizer = self.model.init_from, self.data.tokenizer
+        require(not (init and tokenizer == "byte"), "data.tokenizer",
+                f"'byte' with model.init_from={init}: a base model is trained further with the tokenizer it was "
+                f"trained with, not with byte ids (its BOS/EOS would be 256/257). Leave data.tokenizer unset to take "
+                f"the base model's own (tokenizer.json beside its weights), or name that tokenizer's folder or S3 "
+                f"prefix")
+        published = PUBLISHED_PRESETS.get(self.model.preset)
+        if published and not init and self.tokenizer_source == "byte" and not self.model.vocab_size:
+            raise ConfigError(
+                f"data.tokenizer: the byte tokenizer (258 ids) with model.preset={self.model.preset}, which is "
+                f"{published} with its {MODEL_PRESETS[self.model.preset]['vocab_size']:,}-token vocabulary: name that "
+                "model's tokenizer (data.tokenizer: its folder or S3 prefix), or set model.vocab_size to train byte "
+                "ids into an embedding of that size on purpose (a throughput check)")
+
+    @property
+    def tokenizer_source(self) -> str:
+        """data.tokenizer as the user meant it: as given, else the base model's own (model.init_from: the same
+        folder or S3 prefix), else the built-in byte tokenizer."""
+        return self.data.tokenizer or self.model.init_from or "byte"
+
+    @property
+    def tokenizer_follows_model(self) -> bool:
+        """The tokenizer is the base model's own, from the same folder or S3 prefix."""
+        init = self.model.init_from
+        return bool(init) and self.tokenizer_source.rstrip("/") == init.rstrip("/")
 
     # Derived paths, resolved against run.work_dir; the stored fields stay as the user wrote them.
     @property
@@ -94,8 +124,9 @@ class Config:
         return self.fsx_root / "datasets" / name
 
     def staged_model_dir(self, uri: str) -> Path:
-        """Where the stage step puts a model or tokenizer S3 prefix: <fsx_root>/models/<last segment>/, the files
-        in hf/ beside its stage manifest and the weights' index."""
+        """Where the stage step puts a model or tokenizer S3 prefix: <fsx_root>/models/<last segment>-<hash>/ (one
+        folder per URI: trainer.config.rules.staged_folder_name), the files in hf/ beside its stage manifest and
+        the weights' index."""
         return self.fsx_root / "models" / staged_folder_name(uri)
 
     @property
@@ -108,8 +139,9 @@ class Config:
 
     @property
     def tokenizer_spec(self) -> str:
-        """data.tokenizer as the tokenizing steps load it: 'byte', a folder, or the staged copy of an S3 prefix."""
-        spec = self.data.tokenizer
+        """The tokenizer as the tokenizing steps load it: 'byte', a folder, or the staged copy of an S3 prefix
+        (tokenizer_source: data.tokenizer, else the base model's own)."""
+        spec = self.tokenizer_source
         return str(self.staged_model_dir(spec) / STAGED_FILES) if is_s3_uri(spec) else spec
 
     @property
@@ -151,4 +183,5 @@ class Config:
         """Hash of everything that shapes training (not run identity or local plumbing)."""
         shaping = {k: v for k, v in self.to_dict().items() if k in ("data", "model", "training")}
         shaping["data"] = {k: v for k, v in shaping["data"].items() if k not in ("fsx_root", "s3_endpoint_url")}
+        shaping["data"]["tokenizer"] = self.tokenizer_source  # unset means the base model's (or byte): the same run
         return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]

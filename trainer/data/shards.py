@@ -153,7 +153,7 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
         if meta.get("content_hash") == content_hash and all((out_dir / name).is_file()
                                                             for s in meta["splits"].values() for name in shard_files(s)):
             log.info("token shards in %s are up to date (content hash %s)", out_dir, content_hash[:12])
-            return {**meta, "file_digests": digests}  # (older tokens.json files lack them)
+            return {"tokenizer_hash": loaded.content_hash(), **meta, "file_digests": digests}  # (older files lack them)
 
     dtype = np.uint16 if loaded.vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
     if workers is None:
@@ -161,9 +161,8 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
         workers = max(1, min(os.cpu_count() or 1, corpus_chars // (2 * CHUNK_CHARS)))
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": loaded.name, "vocab_size": loaded.vocab_size,
-            "dtype": np.dtype(dtype).name, "content_hash": content_hash, "val_fraction": val_fraction,
-            "text_field": text_field, "splits": {},
-            "file_digests": digests}
+            "tokenizer_hash": loaded.content_hash(), "dtype": np.dtype(dtype).name, "content_hash": content_hash,
+            "val_fraction": val_fraction, "text_field": text_field, "splits": {}, "file_digests": digests}
     counts = {split: {"tokens": 0, "documents": 0} for split in ("train", "val")}
     temporary = {split: out_dir / f"{split}.bin.tmp" for split in counts}
     parts = out_dir / ".parts"  # the workers' outputs, each appended in order, then deleted

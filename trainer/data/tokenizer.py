@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from trainer.config.rules import InputError
@@ -43,6 +44,7 @@ class LoadedTokenizer:
     eos_token: str | None
     folder: Path | None = None  # an HF tokenizer folder: the files an export copies
     chat_template: str | None = None
+    pad_token: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -55,6 +57,23 @@ class LoadedTokenizer:
     @property
     def eos_id(self) -> int | None:
         return self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def pad_id(self) -> int | None:
+        return self.tokenizer.token_to_id(self.pad_token) if self.pad_token else None
+
+    def content_hash(self) -> str:
+        """The tokenizer's identity (xxh3-128): its folder's own files' contents, or the built-in one's
+        serialization. The stage manifest, tokens.json, the checkpoint manifest and MLflow all carry it."""
+        digest = xxhash.xxh3_128()
+        if self.folder is None:
+            digest.update(self.tokenizer.to_str().encode())
+            return digest.hexdigest()
+        for name in TOKENIZER_FILES:
+            if (self.folder / name).is_file():
+                digest.update(name.encode())
+                digest.update((self.folder / name).read_bytes())
+        return digest.hexdigest()
 
     def encode_documents(self, documents: list[str]) -> list[list[int]]:
         """Token ids per document, framed by BOS/EOS where the tokenizer has them."""
@@ -145,21 +164,21 @@ def load_tokenizer(spec: str) -> LoadedTokenizer:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # the Rust library raises plain Exceptions for malformed files
         raise TokenizerError(f"data.tokenizer: {path} is not a valid HF tokenizer ({err})") from err
-    bos = eos = template = None
+    bos = eos = pad = template = None
     config_path = folder / "tokenizer_config.json"
     if config_path.is_file():
         try:
             config = json.loads(config_path.read_text())
         except ValueError as err:
             raise TokenizerError(f"data.tokenizer: {config_path} is not valid JSON ({err})") from err
-        bos, eos = (_token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+        bos, eos, pad = (_token_text(config.get(f"{role}_token")) for role in ("bos", "eos", "pad"))
         template = config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
-    for role, token in (("bos_token", bos), ("eos_token", eos)):
+    for role, token in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad)):
         if token is not None and tokenizer.token_to_id(token) is None:
             raise TokenizerError(f"data.tokenizer: {config_path} names {role} {token!r}, which {path} does not have")
-    return LoadedTokenizer(tokenizer, str(folder.resolve()), bos, eos, folder.resolve(), template)
+    return LoadedTokenizer(tokenizer, str(folder.resolve()), bos, eos, folder.resolve(), template, pad)
 
 
 def _token_text(value) -> str | None:

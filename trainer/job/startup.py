@@ -130,8 +130,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
 
     meta = load_meta(data_dir)
     base_weights = base_weights_of(cfg, rank, world_size)
-    model_config = llama_config_of(cfg.model, cfg.base_model_dir, meta["vocab_size"],
-                                load_tokenizer(meta["tokenizer"]).special_token_ids())
+    tokenizer = load_tokenizer(meta["tokenizer"])
+    model_config = llama_config_of(cfg.model, cfg.base_model_dir, tokenizer)
     # Weights that come from a checkpoint or the base model are read into each rank's shards: building (and
     # initialising) the whole model first is waste, so it is built on the meta device and only its shards get
     # memory (resume() fills them; with neither a copy nor a base model, it initialises them after all).
@@ -166,6 +166,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         # Checkpoints describe themselves: resume, validation and export need nothing else.
         metadata={"world_size": world_size, "run_id": cfg.run.run_id, "config_hash": cfg.config_hash(),
                   "model_config": model_config.to_dict(), "tokenizer": meta["tokenizer"],
+                  "tokenizer_hash": meta.get("tokenizer_hash") or tokenizer.content_hash(),  # (tokens.json's, or older)
                   "base_model": None if base_weights is None else {
                       "init_from": cfg.model.init_from, "content_hash": base_weights["index"]["content_hash"]},
                   "data_content_hash": meta["content_hash"], "config": cfg.to_dict()},

@@ -38,6 +38,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trainer.config.rules import InputError
+from trainer.data.tokenizer import LoadedTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,44 @@ def read_base_config(folder: Path) -> LlamaConfig:
         return LlamaConfig.from_dict(raw)
     except (TypeError, ValueError) as err:
         raise BaseModelError(f"{path}: not a valid Llama config ({err})") from err
+
+
+class TokenizerMismatch(InputError):
+    """The tokenizer is not the base model's: more ids than its embedding has rows, or other BOS/EOS/PAD ids than
+    its config names; the message names both values."""
+
+
+def check_tokenizer_fits(tokenizer: LoadedTokenizer, folder: Path, config: LlamaConfig | None = None) -> None:
+    """The tokenizer must be the one the base model in `folder` was trained with: every id within the model's
+    vocabulary, and its BOS, EOS and PAD tokens (those it has) the ids config.json and generation_config.json
+    name (one of them, where a file lists several: an instruct model's EOS ids). A TokenizerMismatch naming both
+    values otherwise — before any step, in the stage step and again at a start."""
+    folder = Path(folder)
+    config = config or read_base_config(folder)
+    where = f"the base model (model.init_from, {folder / 'config.json'})"
+    if tokenizer.vocab_size > config.vocab_size:
+        raise TokenizerMismatch(f"data.tokenizer ({tokenizer.name}) has {tokenizer.vocab_size} ids, {where} a "
+                                f"vocabulary of {config.vocab_size}: use the tokenizer the model was trained with")
+    named = {"config.json": json.loads((folder / "config.json").read_text())}  # as written: no LlamaConfig defaults
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        try:
+            named["generation_config.json"] = json.loads(generation.read_text())
+        except ValueError as err:
+            raise BaseModelError(f"model.init_from: {generation} is not valid JSON ({err})") from err
+    ids = {"bos": (tokenizer.bos_token, tokenizer.bos_id), "eos": (tokenizer.eos_token, tokenizer.eos_id),
+           "pad": (tokenizer.pad_token, tokenizer.pad_id)}
+    for role, (token, token_id) in ids.items():
+        for file, values in named.items():
+            expected = values.get(f"{role}_token_id")
+            if token_id is None or expected is None:
+                continue  # a tokenizer without a BOS (Qwen's) frames nothing with one; a model may name no PAD
+            if token_id != expected and not (isinstance(expected, list) and token_id in expected):
+                raise TokenizerMismatch(
+                    f"data.tokenizer ({tokenizer.name}): its {role}_token {token!r} is id {token_id}, but {where} "
+                    f"names {role}_token_id {expected} in {file}: it is not the tokenizer the model was trained with. "
+                    "Leave data.tokenizer unset to take the base model's own (tokenizer.json beside its weights), or "
+                    "point it at that tokenizer")
 
 
 def expected_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -11,9 +11,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from trainer.config import MODEL_PRESETS, ModelConfig
-from trainer.config.rules import InputError
-from trainer.model.base import read_base_config
+from trainer.config import ModelConfig
+from trainer.config.model import preset_arguments
+from trainer.data.tokenizer import LoadedTokenizer
+from trainer.model.base import TokenizerMismatch, check_tokenizer_fits, read_base_config
 from trainer.model.loss import chunked_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -32,25 +33,22 @@ class CausalLM(LlamaForCausalLM):
         return chunked_cross_entropy(hidden, self.lm_head, targets, loss_chunk, loss_reduction)
 
 
-class VocabularyMismatch(InputError):
-    """The tokenizer has ids the model has no embedding row for; the message names both sizes."""
-
-
-def llama_config_of(model: ModelConfig, base_dir: Path | None, tokenizer_vocab: int,
-                 special_token_ids: dict[str, int | None]) -> LlamaConfig:
+def llama_config_of(model: ModelConfig, base_dir: Path | None, tokenizer: LoadedTokenizer) -> LlamaConfig:
     """The transformers config of the model to train: the base model's own (model.init_from: its dimensions, its
-    special-token ids), else the preset's with the tokenizer's vocabulary (unless model.vocab_size) and BOS/EOS ids
+    special-token ids, which the tokenizer's must be: trainer.model.base.check_tokenizer_fits), else the preset's
+    (its published vocabulary, model.vocab_size, or the tokenizer's) with the tokenizer's BOS/EOS ids
     (LlamaConfig's defaults, 1 and 2, are some other tokenizer's). A tokenizer with more ids than the model has
     embedding rows is refused, naming both sizes."""
     if base_dir is not None:
-        config, where = read_base_config(base_dir), f"{base_dir / 'config.json'} (model.init_from)"
-    else:
-        config = LlamaConfig(vocab_size=model.vocab_size or tokenizer_vocab, **MODEL_PRESETS[model.preset],
-                             **special_token_ids)
+        config = read_base_config(base_dir)
+        check_tokenizer_fits(tokenizer, base_dir, config)
+        return config
+    config = LlamaConfig(**preset_arguments(model, tokenizer.vocab_size), **tokenizer.special_token_ids())
+    if config.vocab_size < tokenizer.vocab_size:
         where = "model.vocab_size" if model.vocab_size else f"model.preset={model.preset}"
-    if config.vocab_size < tokenizer_vocab:
-        raise VocabularyMismatch(f"the tokenizer (data.tokenizer) has {tokenizer_vocab} ids, the model's vocabulary "
-                                 f"{config.vocab_size} ({where}): use the tokenizer the model was trained with")
+        raise TokenizerMismatch(f"the tokenizer (data.tokenizer) has {tokenizer.vocab_size} ids, the model's "
+                                f"vocabulary {config.vocab_size} ({where}): use the tokenizer the model was "
+                                "trained with")
     return config
 
 

@@ -83,10 +83,10 @@ class ModelShape:
 
 
 def vocab_size(cfg, data_dir: Path | None) -> int:
-    """A model trained from scratch: model.vocab_size, else the staged tokenizer's (tokens.json), else the byte
-    tokenizer's."""
-    if cfg.model.vocab_size:
-        return cfg.model.vocab_size
+    """A model trained from scratch: model.vocab_size, else the published preset's, else the staged tokenizer's
+    (tokens.json), else the byte tokenizer's."""
+    if cfg.model.vocab_size or MODEL_PRESETS[cfg.model.preset].get("vocab_size"):
+        return cfg.model.vocab_size or MODEL_PRESETS[cfg.model.preset]["vocab_size"]
     meta = Path(data_dir) / "tokens.json" if data_dir else None
     if meta is not None and meta.is_file():
         return int(json.loads(meta.read_text())["vocab_size"])
