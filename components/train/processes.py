@@ -19,6 +19,7 @@ from collections import deque
 import psutil
 
 from trainer.config import Config
+from trainer.config.rules import InputError
 from trainer.env import (BUDGET_SINCE_ENV, CRASH_LOOP_EXIT_CODE, GENERATION_ENV, JOB_ATTEMPT_ENV, JOB_TOKEN_ENV,
                          LAUNCHER_ENV, RUN_DIR_ENV)
 from trainer.resilience.budget import read_gave_up
@@ -40,6 +41,11 @@ class TrainingError(RuntimeError):
 
 class CrashLoop(TrainingError):
     """The restart budget gave up: recoveries stopped making progress. Never relaunched; the message says where."""
+
+
+class TrainingInputError(CrashLoop, InputError):
+    """The trainer stopped on an input it cannot use (a changed data mixture, a schedule a continuation cannot
+    keep, a tokenizer that is not the base model's): cause input, exit 2, the message names the field."""
 
 
 class TrainingTimeout(TrainingError):
@@ -151,6 +157,7 @@ def raise_for_exit(cfg: Config, returncode: int, generation: int, output: Launch
     log_path = RunDir(cfg.run_dir).train_log
     gave_up = read_gave_up(cfg.run_dir)
     if returncode == CRASH_LOOP_EXIT_CODE and gave_up is not None and gave_up.get("generation") == generation:
-        raise CrashLoop(f"{gave_up['message']} (log: {log_path})")
+        kind = TrainingInputError if gave_up.get("cause") == "input" else CrashLoop
+        raise kind(f"{gave_up['message']} (log: {log_path})")
     if returncode != 0:
         raise TrainingError(f"{what} exited with code {returncode}; log: {log_path}\n{output.causes()}")

@@ -57,6 +57,8 @@ class TrainingReport:
                 "checkpoint_saves": len(stalls), "checkpoint_stall_mean_seconds": sum(stalls) / len(stalls) if stalls
                 else 0.0, "steps_recorded": int(steps[-1]) if len(steps) else 0,
                 "checkpoint_interval_chosen": state.interval_chosen,
+                # what the newest start trained with: its LR schedule and data phase (a continuation's decisions)
+                "lr_schedule": state.lr_schedule, "data_phase": state.data_phases[-1] if state.data_phases else None,
                 # each kept step once; samples_skipped: what replica groups missing from a step did not train
                 "samples_trained": int(self.measured.ledger.kept("samples").sum()),
                 "samples_skipped": int(self.measured.ledger.kept("samples_skipped").sum())}

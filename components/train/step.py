@@ -101,6 +101,7 @@ def log_outcome(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[st
     if chosen:
         totals["checkpoint_interval_steps_chosen"] = chosen["interval_steps"]
         tags["checkpoint_interval_reason"] = chosen["reason"][:5000]
+    tags.update(schedule_and_data_tags(result.get("lr_schedule"), result.get("data_phase")))
     gave_up = read_gave_up(cfg.run_dir)
     if gave_up is not None:
         tags["restart_budget_gave_up"] = gave_up["message"][:5000]
@@ -111,3 +112,20 @@ def log_outcome(mlflow: tracking.Tracker, run: str, cfg: Config, result: dict[st
         mlflow.log_artifact(run, path, "plots")
     if run_dir.train_log.is_file():
         mlflow.log_artifact(run, run_dir.train_log)
+
+
+def schedule_and_data_tags(schedule: dict[str, Any] | None, phase: dict[str, Any] | None) -> dict[str, str]:
+    """The learning-rate schedule the run trained with (its kind, horizon, the step its phase began at, and what a
+    continuation decided: trainer.job.schedule) and its data phase (trainer.data.phases), as the train run's tags."""
+    tags = {}
+    if schedule:
+        tags.update({"lr_schedule": schedule["kind"], "lr_schedule_horizon": str(schedule["horizon"]),
+                     "lr_schedule_start": str(schedule["start"]), "lr_schedule_decision": schedule["decision"],
+                     "lr_schedule_why": schedule["why"][:5000]})
+        if schedule["kind"] == "wsd":
+            tags["lr_schedule_decay_start"] = str(schedule["decay_start"])
+    if phase:
+        tags.update({"data_phase": str(phase["phase"]), "data_phase_start_sample": str(phase["start"]),
+                     "data_phase_mixture": ", ".join(f"{c['name']} x{c['weight']:g} from its sample {c['offset']}"
+                                                     for c in phase["corpora"])[:5000]})
+    return tags

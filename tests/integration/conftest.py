@@ -22,7 +22,9 @@ def token_dir(tmp_path_factory) -> Path:
     raw = tmp_path_factory.mktemp("raw")
     for name, body in demo_files(300).items():
         (raw / name).write_bytes(body)
-    out = tmp_path_factory.mktemp("tokens")
+    # named "tokens", not "tokens0": a corpus's sample order is keyed by its name (its folder's, for a single one)
+    # and its content, and tests/data/r1-today's fixture tokenized into a folder of that name
+    out = tmp_path_factory.mktemp("tokens", numbered=False)
     tokenize_files(sorted(raw.iterdir()), out, 0.1)
     return out
 

@@ -415,3 +415,8 @@ def test_the_same_run_id_again_continues_the_run(successful_run, work, mlflow_se
     [train] = client.search_runs([experiment], filter_string="tags.pipeline_run_id = 'e2e' and "
                                                              "tags.pipeline_step = 'train'")
     assert sorted(m.step for m in client.get_metric_history(train.info.run_id, "loss")) == list(range(1, 10))
+    # Issue 50: the LR of the 6 steps trained stays as it was (their cosine ended at 6); 7-9 hold its floor
+    lrs = {m.step: m.value for m in client.get_metric_history(train.info.run_id, "lr")}
+    assert lrs[7] == lrs[8] == lrs[9] < lrs[6] < lrs[5]
+    assert (train.data.tags["lr_schedule"], train.data.tags["lr_schedule_horizon"]) == ("cosine", "6")
+    assert train.data.tags["lr_schedule_decision"] == "kept" and train.data.tags["data_phase"] == "0"

@@ -171,11 +171,12 @@ def test_a_split_in_several_shards_reads_as_their_concatenation(tmp_path):
     single file they concatenate to, windows across shard boundaries included."""
     import shutil
 
-    one, many = tmp_path / "one", tmp_path / "many"
+    # the same corpus name in both (a corpus's sample order is keyed by its name and content: trainer.data.samples)
+    one, many = tmp_path / "one" / "corpus", tmp_path / "many" / "corpus"
     tokenize_files(_write_corpus(tmp_path / "raw"), one, 0.1)
     meta = json.loads((one / "tokens.json").read_text())
     train = np.fromfile(one / "train.bin", dtype=np.uint16)
-    many.mkdir()
+    many.mkdir(parents=True)
     cuts = [0, 7, 7, 1000, 1003, len(train)]  # an empty shard and a 3-token one among them
     names = []
     for index, (start, stop) in enumerate(zip(cuts, cuts[1:])):

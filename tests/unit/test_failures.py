@@ -176,7 +176,8 @@ def test_the_rules_of_the_table(record, gpu, cause):
 def test_the_decisions_a_user_overrides(text, error):
     if error is None:
         assert parse_decisions(text) == {"hardware": "restart", "lost_peer": "restart", "deterministic": "restart",
-                                         "out_of_memory": "restart", "data": "rollback", "transient": "restart"}
+                                         "out_of_memory": "restart", "data": "rollback", "transient": "restart",
+                                         "input": "stop"}
     else:
         with pytest.raises(ValueError, match=error):
             parse_decisions(text)

@@ -38,20 +38,20 @@ def _split_bytes(dataset, meta, split):
 @pytest.mark.parametrize("tasks", [1, 2, 3, 7, 50])
 def test_any_number_of_tasks_writes_what_one_task_writes(tmp_path, tasks):
     files = _corpus(tmp_path / "ds" / "raw")
-    single = tokenize_files(files, tmp_path / "single", 0.1)
+    single = tokenize_files(files, tmp_path / "single" / "ds", 0.1)  # the same corpus name: the same sample order
     groups, meta = _fan_out(files, tmp_path / "ds", tasks)
 
     assert len(groups) == len(meta["shards"]) == min(tasks, len(files))
     assert [name for g in groups for name in g["files"]] == [f"raw/{f.name}" for f in files]  # whole files, in order
     assert meta["content_hash"] == single["content_hash"]
     for split in ("train", "val"):
-        assert _split_bytes(tmp_path / "ds", meta, split) == (tmp_path / "single" / f"{split}.bin").read_bytes()
+        assert _split_bytes(tmp_path / "ds", meta, split) == (tmp_path / "single" / "ds" / f"{split}.bin").read_bytes()
         assert {k: meta["splits"][split][k] for k in ("tokens", "documents")} == \
             {k: single["splits"][split][k] for k in ("tokens", "documents")}
     on_disk = json.loads((tmp_path / "ds" / META_FILE).read_text())
     assert on_disk["splits"] == meta["splits"] and on_disk["shards"] == meta["shards"]
     sharded = TokenBatches.open(tmp_path / "ds", "train", seq_len=16, batch_size=4, seed=3)
-    whole = TokenBatches.open(tmp_path / "single", "train", seq_len=16, batch_size=4, seed=3)
+    whole = TokenBatches.open(tmp_path / "single" / "ds", "train", seq_len=16, batch_size=4, seed=3)
     for step in range(10):
         np.testing.assert_array_equal(sharded.batch(8 * step, 0, 0, 2)[0], whole.batch(8 * step, 0, 0, 2)[0])
 

@@ -79,8 +79,9 @@ class ResumeChoice:
         try:
             prehashed = self._prefetch.verified_files(path) if self._prefetch is not None else set()
             with self._phase("restore_fsx"):
-                # verifies as it reads; per-rank RNG and the sample position only where the checkpoint has them
-                stats = load_checkpoint(state, path, optional=("rng", "data"), prehashed=prehashed)
+                # verifies as it reads; per-rank RNG, the sample position and the LR schedule only where the
+                # checkpoint has them (a checkpoint of an earlier release)
+                stats = load_checkpoint(state, path, optional=("rng", "data", "schedule"), prehashed=prehashed)
         except CheckpointError as err:  # raised on every rank alike: DCP gathers every rank's read errors
             log.warning("skipping checkpoint %s (step %s): %s", path, disk_step, err)
             if self._rank == 0:

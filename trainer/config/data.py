@@ -77,6 +77,13 @@ class DataConfig:
     <fsx_root>/models/<last segment>-<hash of the URI>/hf). With a base model, its BOS and EOS ids must be the
     ones the model's config.json and generation_config.json name."""
 
+    on_mixture_change: Literal["refuse", "new_phase"] = "refuse"
+    """A continuation (or restart) whose corpora differ from what the run trained so far (a corpus added,
+    removed, re-weighted, or its content re-staged): 'refuse' it, naming the change, before any step; or start a
+    'new_phase' of the data at the current position of the sample stream: the samples already drawn stay drawn,
+    each corpus kept goes on with its own windows where it left off, and the order from there is a function of
+    (seed, phase, k) (docs/continued-pretraining.md)."""
+
     val_fraction: float = 0.05
     """Fraction of the documents held out for evaluation (chosen deterministically by document hash)."""
 
@@ -131,6 +138,8 @@ class DataConfig:
         require(self.dra_poll_seconds > 0, "data.dra_poll_seconds", "must be > 0")
         require(self.on_bad_key in ("fail", "skip"), "data.on_bad_key", "must be 'fail' or 'skip'")
         require(self.unknown_files in ("skip", "fail"), "data.unknown_files", "must be 'skip' or 'fail'")
+        require(self.on_mixture_change in ("refuse", "new_phase"), "data.on_mixture_change",
+                "must be 'refuse' or 'new_phase'")
         check_s3_uri(self.s3_uri, "data.s3_uri")
         require(bool(DATASET_NAME.match(self.dataset_name)), "data.dataset_name",
                 f"{self.dataset_name!r} must be a plain folder name (letters, digits, '.', '_', '-')")

@@ -21,6 +21,9 @@ CAUSES = (
     Cause("hardware", "NVML reports an uncorrectable ECC error, remapped-row failure or an XID that takes the GPU out "
           "of service (63, 64, 94, 95), or the error's text is one of a GPU's hardware faults (uncorrectable ECC "
           "error, fallen off the bus, Xid)", "replace_node"),
+    Cause("input", "the rank raised an InputError: the config, the base model, the tokenizer or the data cannot be "
+          "used as they are (a mixture changed on a continuation, a schedule it cannot keep, a tokenizer that is not "
+          "the base model's); the message names the field", "stop"),
     Cause("lost_peer", "a collective or a connection failed because another rank did (the failure is secondary)",
           "restart"),
     Cause("deterministic", "the same exception type raised in the same frame at the same step (or start-up phase) "

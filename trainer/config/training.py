@@ -41,7 +41,8 @@ class TrainingConfig:
     """The optimisation loop and how it is launched."""
 
     num_steps: int = 300
-    """Optimizer steps to train in total."""
+    """Optimizer steps to train in total: the schedule's horizon (a continuation with more steps keeps the LR of
+    the steps already trained: training.lr_schedule)."""
 
     batch_size: int = 8
     """Sequences per rank per micro-batch."""
@@ -59,11 +60,30 @@ class TrainingConfig:
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
 
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    """The learning rate after the warm-up (trainer.job.schedule): cosine (decays to lr x min_lr_ratio at the
+    horizon, training.num_steps), wsd (warm-up, stable at lr, then a linear decay to lr x min_lr_ratio over the
+    horizon's last decay_steps: extending the run moves only the decay), constant (lr to the end). The schedule
+    and its horizon are in every checkpoint: a continuation keeps the LR of every step it already trained
+    (docs/continued-pretraining.md)."""
+
     min_lr_ratio: float = 0.1
-    """Learning rate at the end of the cosine decay, as a fraction of lr."""
+    """Learning rate at the end of the cosine or WSD decay, as a fraction of lr."""
 
     warmup_steps: int = 20
-    """Linear warm-up steps before the cosine decay (a run shorter than this is all warm-up)."""
+    """Linear warm-up steps before the schedule's decay (a run shorter than this is all warm-up)."""
+
+    decay_steps: int = 0
+    """lr_schedule=wsd: the decay's length, the last steps of the horizon; 0 takes decay_fraction of it."""
+
+    decay_fraction: float = 0.2
+    """lr_schedule=wsd with decay_steps=0: the share of the horizon (after the warm-up) that decays."""
+
+    lr_schedule_restart: bool = False
+    """A continuation whose schedule (kind, lr, warm-up, floor, decay or horizon) differs from the one its
+    checkpoint trained with: false keeps every step already trained at its LR (the checkpoint's schedule goes on,
+    or the new one where it agrees on those steps, and a change that cannot is refused, naming it); true starts a
+    new phase of the schedule at the step it resumes from: warm-up from there, the horizon num_steps."""
 
     weight_decay: float = 0.1
     """AdamW weight decay."""
@@ -149,6 +169,8 @@ class TrainingConfig:
                 f"must divide training.num_nodes={self.num_nodes} (each group has num_nodes / replica_groups nodes)")
         require(self.lr > 0, "training.lr", "must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", "must be in [0, 1]")
+        require(self.decay_steps >= 0, "training.decay_steps", "must be >= 0 (0: training.decay_fraction)")
+        require(0.0 < self.decay_fraction <= 1.0, "training.decay_fraction", "must be in (0, 1]")
         require(self.warmup_steps >= 0, "training.warmup_steps", "must be >= 0")
         require(self.weight_decay >= 0, "training.weight_decay", "must be >= 0")
         require(self.grad_clip >= 0, "training.grad_clip", "must be >= 0 (0 disables clipping)")

@@ -7,8 +7,9 @@ Each corpus's split is one token stream (documents framed BOS ... EOS, one after
 seq_len + 1 tokens every seq_len tokens, so every token but the first is a target once per epoch and no window
 crosses from one split into the other (the splits are separate streams). The k-th global sample is a window chosen
 by (seed, k) alone (trainer.data.samples: the corpora interleaved by weight, each corpus's windows a new
-permutation every epoch). A step trains the global samples [first_sample, first_sample + global batch): micro-step
-m, rank r of R takes its batch_size samples from the m-th R x batch_size of them. The trainer keeps first_sample
+permutation every epoch, keyed by its name and content hash), in the data phase k belongs to (trainer.data.phases:
+a run whose mixture changed goes on in a new one). A step trains the global samples [first_sample, first_sample +
+global batch): micro-step m, rank r of R takes its batch_size samples from the m-th R x batch_size of them. The trainer keeps first_sample
 in its checkpoints, so a resume at another world size, or with fewer replica groups, goes on with the next sample.
 
 A data folder holds one corpus's tokens.json, or a mixture's (``"mixture"``: each corpus's folder and weight).
@@ -16,13 +17,14 @@ A data folder holds one corpus's tokens.json, or a mixture's (``"mixture"``: eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-from trainer.data.samples import Mixture, epoch_key, permute
+from trainer.data.phases import DataPhase, MixtureChanged, describe_change, first_phase, next_phase
+from trainer.data.samples import Mixture, corpus_key, epoch_key, permute
 from trainer.data.shards import META_FILE, DataError, load_meta, shard_files
 
 
@@ -57,6 +59,11 @@ class Corpus:
     tokens: np.ndarray
     seq_len: int
     weight: float
+    content_hash: str = ""  # its tokens.json's: with the name, what the corpus is
+
+    @property
+    def identity(self) -> str:
+        return f"{self.name}:{self.content_hash}"
 
     @property
     def windows(self) -> int:
@@ -81,7 +88,7 @@ def _open_corpus(data_dir: Path, split: str, seq_len: int, name: str, weight: fl
     where = paths[0] if len(paths) == 1 else f"{paths[0].parent}/{'+'.join(p.name for p in paths)}"
     if len(tokens) < seq_len + 2:
         raise DataError(f"{where} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
-    return Corpus(name, tokens, seq_len, weight)
+    return Corpus(name, tokens, seq_len, weight, meta.get("content_hash", ""))
 
 
 def open_corpora(data_dir: Path, split: str, seq_len: int) -> list[Corpus]:
@@ -94,36 +101,109 @@ def open_corpora(data_dir: Path, split: str, seq_len: int) -> list[Corpus]:
             for part in meta["mixture"]]
 
 
+class _PhasePlan:
+    """A phase's mixture over the open corpora: which corpus each member is, where its draws go on from, and the
+    keys of its permutations."""
+
+    def __init__(self, phase: DataPhase, corpora: list[Corpus]):
+        where = {corpus.identity: index for index, corpus in enumerate(corpora)}
+        self.phase = phase
+        self.mixture = Mixture([c.weight for c in phase.corpora])
+        self.members = np.array([where.get(c.identity, -1) for c in phase.corpora], dtype=np.int64)
+        self.offsets = np.array([c.offset for c in phase.corpora], dtype=np.int64)
+        self.keys = [position if phase.order == "position" else corpus_key(c.name, c.content_hash)
+                     for position, c in enumerate(phase.corpora)]
+
+    def missing(self, members: np.ndarray) -> list[str]:
+        return [self.phase.corpora[m].identity for m in np.unique(members) if self.members[m] < 0]
+
+
 @dataclass
 class TokenBatches:
-    """The samples of one split, in the order of (seed, global sample index)."""
+    """The samples of one split, in the order of (seed, global sample index) and the run's data phases."""
 
     corpora: list[Corpus]
     seq_len: int
     batch_size: int
     seed: int
+    phases: list[DataPhase] = field(default_factory=list)  # empty: one phase of these corpora, by name
+    # whether labels may be IGNORE (a masked target): token windows of text never are, so a step's loss needs no
+    # count of the job's targets (trainer.job.step.forward_backward)
+    masks_targets: bool = False
 
     def __post_init__(self) -> None:
-        self.mixture = Mixture([corpus.weight for corpus in self.corpora])
+        self.current = [(c.name, c.content_hash, c.weight) for c in self.corpora]
+        self.mixture = Mixture([w for _, _, w in sorted(self.current)])  # by name: sequential()'s order
+        self.set_phases(self.phases or [first_phase(self.current)])
+
+    def set_phases(self, phases: list[DataPhase]) -> None:
+        self.phases = list(phases)
+        self._plans = [_PhasePlan(phase, self.corpora) for phase in self.phases]
+        self._starts = np.array([phase.start for phase in self.phases], dtype=np.int64)
+
+    def continue_phases(self, recorded: list[DataPhase], *, position: int, step: int, resumed: bool,
+                        on_change: str) -> DataPhase | None:
+        """At a start, the run's phases (its data_phase records) and the sample stream's position: take them up, and
+        return the phase to record when one begins here — phase 0 at a run's first start (ordered by position when
+        it resumes a run begun before phases: the order it trained in), a new phase when the corpora changed and
+        on_change is new_phase. A change with on_change=refuse is a MixtureChanged naming it."""
+        if not recorded:
+            self.set_phases([first_phase(self.current, "position" if resumed else "name")])
+            return self.phases[0]
+        self.set_phases(recorded)
+        changes = describe_change(recorded[-1], self.current)
+        if not changes:
+            return None
+        if on_change != "new_phase":
+            raise MixtureChanged(
+                f"data.datasets: the corpora differ from those this run drew its first {position} samples from (data "
+                f"phase {recorded[-1].phase}): {'; '.join(changes)}. Continuing would re-order samples already drawn "
+                "or repeat them. To go on with this mixture from here, start a new data phase with "
+                "--data.on_mixture_change=new_phase (the samples drawn stay drawn; each corpus kept goes on where it "
+                "left off: docs/continued-pretraining.md), or train it as a new run (another run.run_id)")
+        phase = next_phase(recorded[-1], self.current, start=position, step=step,
+                           drawn=self.drawn_by_identity(position))
+        self.set_phases([*recorded, phase])
+        return phase
 
     @classmethod
     def open(cls, data_dir: Path, split: str, seq_len: int, batch_size: int, seed: int) -> "TokenBatches":
         return cls(open_corpora(data_dir, split, seq_len), seq_len, batch_size, seed)
 
+    def _located(self, samples: np.ndarray) -> list[tuple[_PhasePlan, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per phase the samples fall in: (its plan, which samples, each one's member of its mixture, and its rank
+        among that member's draws over every phase)."""
+        samples = np.asarray(samples, dtype=np.int64)
+        which = np.searchsorted(self._starts, samples, side="right") - 1
+        located = []
+        for index in np.unique(which):
+            plan, mine = self._plans[index], which == index
+            members, drawn = plan.mixture.locate(samples[mine] - plan.phase.start)
+            located.append((plan, mine, members, drawn + plan.offsets[members]))
+        return located
+
     def windows_of(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(corpus, window) of each global sample index."""
-        corpora, drawn = self.mixture.locate(samples)
-        windows = np.empty_like(drawn)
-        for index, corpus in enumerate(self.corpora):
-            mine = corpora == index
-            if not mine.any():
-                continue
-            epochs, positions = np.divmod(drawn[mine], corpus.windows)
-            picked = np.empty_like(positions)
-            for epoch in np.unique(epochs):
-                same = epochs == epoch
-                picked[same] = permute(positions[same], corpus.windows, epoch_key(self.seed, index, int(epoch)))
-            windows[mine] = picked
+        """(corpus, window) of each global sample index; the corpus an index into self.corpora."""
+        samples = np.asarray(samples, dtype=np.int64)
+        corpora, windows = np.empty_like(samples), np.empty_like(samples)
+        for plan, mine, members, drawn in self._located(samples):
+            missing = plan.missing(members)
+            if missing:
+                raise DataError(f"samples of data phase {plan.phase.phase} (from sample {plan.phase.start}) come from "
+                                f"{', '.join(missing)}, which the data folder no longer holds: stage it again to "
+                                "train them (a rollback or resume before that phase's end)")
+            picked = np.empty_like(drawn)
+            for member in np.unique(members):
+                corpus = self.corpora[plan.members[member]]
+                own = members == member
+                epochs, positions = np.divmod(drawn[own], corpus.windows)
+                chosen = np.empty_like(positions)
+                for epoch in np.unique(epochs):
+                    same = epochs == epoch
+                    chosen[same] = permute(positions[same], corpus.windows,
+                                           epoch_key(self.seed, plan.keys[member], int(epoch)))
+                picked[own] = chosen
+            corpora[mine], windows[mine] = plan.members[members], picked
         return corpora, windows
 
     def samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -136,9 +216,21 @@ class TokenBatches:
         """A rank's micro-batch of the step whose samples start at first_sample."""
         return self.samples(rank_samples(first_sample, micro_step, rank, ranks, self.batch_size))
 
+    def drawn_by_identity(self, consumed: int) -> dict[str, int]:
+        """Samples taken from each corpus (by identity: name and content hash), over every phase, by the first
+        `consumed` samples of the stream."""
+        index = int(np.searchsorted(self._starts, consumed, side="right")) - 1
+        plan = self._plans[index]
+        drawn = dict(plan.phase.drawn_before)
+        counts = plan.mixture.drawn(consumed - plan.phase.start)
+        for corpus, count in zip(plan.phase.corpora, counts):
+            drawn[corpus.identity] = corpus.offset + count
+        return drawn
+
     def drawn(self, consumed: int) -> dict[str, int]:
-        """Samples taken from each corpus by the first `consumed` samples of the stream."""
-        return dict(zip((c.name for c in self.corpora), self.mixture.drawn(consumed)))
+        """Samples taken from each corpus of the data folder by the first `consumed` samples of the stream."""
+        by_identity = self.drawn_by_identity(consumed)
+        return {c.name: by_identity.get(c.identity, 0) for c in self.corpora}
 
     def drawn_between(self, start: int, end: int) -> dict[str, int]:
         """Samples each corpus gives the stream's samples [start, end) (a skipped window, by dataset)."""
@@ -147,7 +239,8 @@ class TokenBatches:
 
     def epochs(self, consumed: int) -> dict[str, float]:
         """Each corpus's epochs (fractional) by the first `consumed` samples: 1.0 when each window was seen once."""
-        return {c.name: drawn / c.windows for c, drawn in zip(self.corpora, self.mixture.drawn(consumed))}
+        drawn = self.drawn(consumed)
+        return {c.name: drawn[c.name] / c.windows for c in self.corpora}
 
     def position(self, first_sample: int, next_sample: int) -> dict[str, float]:
         """Where a step left the stream (a metrics record's fields): its first index, the samples and tokens taken
@@ -159,9 +252,12 @@ class TokenBatches:
                 **{f"epoch/{name}": epoch for name, epoch in epochs.items()}}
 
     def sequential(self, max_batches: int) -> Iterable[tuple[np.ndarray, np.ndarray]]:
-        """The first windows of each corpus in mixing order, unpermuted (evaluation: the same batches every time)."""
+        """The first windows of each corpus in mixing order (by name), unpermuted (evaluation: the same batches
+        every time)."""
+        by_name = sorted(range(len(self.corpora)), key=lambda index: self.corpora[index].name)
         count = max_batches * self.batch_size
-        corpora, drawn = self.mixture.locate(np.arange(count))
+        members, drawn = self.mixture.locate(np.arange(count))
+        corpora = np.array(by_name, dtype=np.int64)[members]
         keep = drawn < np.array([c.windows for c in self.corpora])[corpora]  # a small corpus runs out: skipped
         corpora, drawn = corpora[keep], drawn[keep]
         for first in range(0, len(corpora), self.batch_size):

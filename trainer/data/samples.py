@@ -1,8 +1,9 @@
 """The order of the training samples: the k-th global sample as a function of (seed, k) alone.
 
-    mixture = Mixture([3.0, 1.0])                  # corpora mixed 3:1
+    mixture = Mixture([3.0, 1.0])                  # corpora mixed 3:1 (in the order of their names)
     corpus, index = mixture.locate(k)              # sample k is the index-th sample drawn from that corpus
-    window = permute(index % n, n, epoch_key(seed, corpus, index // n))    # n windows: epoch after epoch
+    key = corpus_key(name, content_hash)           # what the corpus is, not where data.datasets lists it
+    window = permute(index % n, n, epoch_key(seed, key, index // n))    # n windows: epoch after epoch
 
 - **Mixing** is a fixed pattern of BLOCK positions, each naming a corpus, repeated: the greedy largest-deficit
   interleave (as Megatron-LM's blended datasets build theirs), so every prefix of the stream holds each corpus in
@@ -13,10 +14,14 @@
   into range (cycle walking): O(1) per index and no table, so a corpus of 10⁹ windows costs no memory.
 
 Nothing here depends on the world size, the rank or the replica groups: those only choose which global indices
-a rank trains at a step (trainer.data.batches).
+a rank trains at a step (trainer.data.batches). Nor on where a corpus stands in data.datasets: its permutations
+are keyed by its name and content hash, and a mixture's pattern lists the corpora by name. A run whose data
+changes goes on in a new data phase (trainer.data.phases), never by re-ordering what it already drew.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
@@ -32,8 +37,14 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def corpus_key(name: str, content_hash: str) -> int:
+    """A corpus's identity as a 64-bit permutation key: its name and its tokens' content hash (tokens.json)."""
+    return int.from_bytes(hashlib.sha256(f"{name}\0{content_hash}".encode()).digest()[:8], "little")
+
+
 def epoch_key(seed: int, corpus: int, epoch: int) -> int:
-    """The permutation key of one corpus's epoch."""
+    """The permutation key of one corpus's epoch; corpus: its corpus_key (or, in a run of a release before it, its
+    position in the mixture)."""
     with np.errstate(over="ignore"):
         key = _mix(np.array([seed], dtype=np.uint64) * _GOLDEN + np.uint64(corpus))
         return int(_mix(key ^ np.uint64(epoch) * _GOLDEN)[0])

@@ -8,28 +8,36 @@ Apart from the Trainer because a step is computed twice when its figures are ano
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from trainer.config import Config
+from trainer.model.loss import IGNORE
 from trainer.resilience.numerics import NumericDrills
 from trainer.run.lease import Fence
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarray, np.ndarray]], *, device,
-                     training_cfg, drills: NumericDrills, step: int, first_sample: int,
-                     global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     training_cfg, drills: NumericDrills, step: int, first_sample: int, global_batch: int,
+                     job_targets: Callable[[int], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(this rank's loss summed over its micro-batches, the gradient's total norm over every rank, as
     torch.nn.utils.get_total_norm gives it: a DTensor under FSDP2): the gradients are left in the parameters,
     not clipped yet — the step's figures are checked first (trainer.resilience.numerics), and a rank's own
-    gradient is what tells it when they are anomalous."""
+    gradient is what tells it when they are anomalous.
+
+    The step's loss is the mean over every target of the global batch that counts. Where every target counts (a
+    pre-training window), each micro-batch's mean over its own targets is that, as the gradients are averaged over
+    the micro-batches and ranks. Where some are IGNORE (masked), `job_targets(counted here)` (a collective: mean_
+    targets) gives the mean count per micro-batch and rank of the job, and each micro-batch's loss is its sum over
+    that: averaged over micro-batches and ranks alike, the job's sum over the job's count."""
     t = training_cfg
     loss_sum = torch.zeros((), device=device)
+    per_micro = None if job_targets is None else job_targets(sum(int((labels != IGNORE).sum())
+                                                                for _, labels in micro_batches))
     # per_step: the micro-batches before the last accumulate unsharded gradients, and the last one's backward
     # reduce-scatters their sum once (training.reduce_gradients).
     once = t.reduce_gradients == "per_step" and len(micro_batches) > 1 and hasattr(model, "set_requires_gradient_sync")
@@ -38,21 +46,25 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarra
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         inputs = torch.from_numpy(inputs).to(device)
         labels = torch.from_numpy(labels).to(device)
-        loss = drills.poison(model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk), first_sample,
-                             global_batch)
+        loss = (model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk) if per_micro is None else
+                model(input_ids=inputs, targets=labels, loss_reduction="sum", loss_chunk=t.loss_chunk) / per_micro)
+        loss = drills.poison(loss, first_sample, global_batch)
         (loss / t.grad_accum_steps).backward()
         loss_sum += loss.detach()
     drills.flip(model, step)
     return loss_sum, torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to lr, then cosine decay to lr * min_lr_ratio at num_steps (step is 0-based)."""
-    t = cfg.training
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    progress = (step - t.warmup_steps) / max(1, t.num_steps - t.warmup_steps)
-    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+def mean_targets(counted: int, *, device, ranks: int, micro_batches: int, across_groups=None) -> torch.Tensor:
+    """Collective: the job's counted targets (over the group's ranks, then the replica groups taking part:
+    `across_groups` averages a value over them) per micro-batch and rank; at least one's worth (an all-masked step
+    trains nothing instead of dividing by 0)."""
+    count = torch.tensor(float(counted), dtype=torch.float64, device=device)
+    if ranks > 1:
+        dist.all_reduce(count)
+    if across_groups is not None:
+        count = across_groups(count)
+    return (count / (ranks * micro_batches)).clamp(min=1.0 / (ranks * micro_batches)).float()
 
 
 def step_extras(metrics: dict[str, float]) -> str:

@@ -27,7 +27,9 @@ from trainer.data.batches import skipped_ranges
 from trainer.config import Config
 from trainer.job.numeric_recovery import NumericRecovery, past_skipped
 from trainer.job.startup import start_process
-from trainer.job.step import MetricsWriter, clip, forward_backward, local, lr_at, step_extras, total
+from trainer.job.schedule import Schedule
+from trainer.job.continuation import take_up_data_phases, take_up_schedule
+from trainer.job.step import MetricsWriter, clip, forward_backward, local, mean_targets, step_extras, total
 from trainer.model.base import load_base_weights
 from trainer.model.llama import build_model, copy_initial_weights
 from trainer.model.optimizer import initialize_state, optimizer_groups_of
@@ -49,6 +51,7 @@ class Trainer:
         self.data_dir = Path(data_dir)
         # optimizer steps completed; the global sample index the next step starts at (trainer.data.batches)
         self.step, self.next_sample, self.last_loss = 0, 0, float("nan")
+        self.schedule = self.saved_schedule = Schedule.of(cfg.training)  # the LR's (trainer.job.schedule)
         started = start_process(cfg, self.data_dir, in_process, step_of=lambda: self.step)
         # the process in its job
         self.rank, self.world_size, self.device = started.rank, started.world_size, started.device
@@ -83,7 +86,7 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"model": model_state, "optim": optim_state,
                 "trainer": {"step": torch.tensor(self.step), "last_loss": torch.tensor(self.last_loss)},
-                "data": {"next_sample": torch.tensor(self.next_sample)},
+                "data": {"next_sample": torch.tensor(self.next_sample)}, "schedule": self.schedule.to_state(),
                 "rng": {f"rank{self.rank}": rng}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -98,6 +101,7 @@ class Trainer:
         # position its steps would have reached at this global batch.
         stored = state.get("data", {}).get("next_sample")
         self.next_sample = int(stored) if stored is not None else self.step * self.global_batch
+        self.saved_schedule = Schedule.from_state(state.get("schedule", {}))  # None: a checkpoint before schedules
         rng = state["rng"].get(f"rank{self.rank}")
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
@@ -160,6 +164,8 @@ class Trainer:
             self.optimizer.state.clear()
             initialize_state(self.optimizer)
         self._weights_pending = False
+        take_up_schedule(self, resumed=source != "none")  # the LR and the data order this start trains with
+        take_up_data_phases(self, resumed=source != "none")
         self.replica_groups.resumed_at(self.step)
         self.numeric_recovery.start(self.step)
         self.resilience.note_resume(step if source != "none" else None, load_started, load_seconds, source, **restore)
@@ -193,7 +199,7 @@ class Trainer:
         t = self.cfg.training
         started = time.perf_counter()
         self.replica_groups.begin_step(self.step)  # the step's quorum; a healing group takes a live group's state
-        lr = lr_at(self.step, self.cfg)
+        lr = self.schedule.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Timed sections (trainer.resilience.straggler): each rank's own work; the loss's all-reduce stays out.
@@ -246,10 +252,14 @@ class Trainer:
                 **({"replicas_equal": replicas_equal} if replicas_equal is not None else {})}
 
     def compute(self, micro_batches: list, first_sample: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward of the step's micro-batches (trainer.job.step.forward_backward)."""
+        """Forward and backward of the step's micro-batches (trainer.job.step.forward_backward; data whose targets
+        may be masked: the loss is the mean over the job's counted targets, a count all-reduced per step)."""
+        job_targets = None if not self.batches.masks_targets else lambda counted: mean_targets(
+            counted, device=self.device, ranks=self.world_size, micro_batches=len(micro_batches),
+            across_groups=self.replica_groups.average_across_groups)
         return forward_backward(self.model, micro_batches, device=self.device, training_cfg=self.cfg.training,
-                                drills=self.resilience.numerics.drills, step=self.step + 1,
-                                first_sample=first_sample, global_batch=self.global_batch)
+                                drills=self.resilience.numerics.drills, step=self.step + 1, first_sample=first_sample,
+                                global_batch=self.global_batch, job_targets=job_targets)
 
     def job_mean(self, local_loss: torch.Tensor) -> torch.Tensor:
         """The loss summed over micro-batches, averaged over the group's ranks and then over the replica groups

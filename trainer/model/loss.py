@@ -38,8 +38,9 @@ def compile_chunk_loss() -> None:
 def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, chunk: int,
                           reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of head(hidden) against targets ([batch, positions] each), summed (reduction="sum"), averaged
-    over every target ("mean"), or each position's ("none": [batch, positions], 0 where the target is IGNORE).
-    The logits of `chunk` positions exist at a time."""
+    over the targets that count ("mean": IGNORE targets are in neither the sum nor the count), or each position's
+    ("none": [batch, positions], 0 where the target is IGNORE). The logits of `chunk` positions exist at a time.
+    (A mean over a batch split across micro-batches and ranks is the job's: trainer.job.step.)"""
     assert reduction in ("mean", "sum", "none"), reduction
     if reduction == "none":
         with torch.no_grad():  # scoring only (evaluation tasks)
@@ -52,4 +53,6 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: 
             total = total + checkpoint(_chunk_loss, piece, piece_targets, head, use_reentrant=False)
         else:
             total = total + _chunk_loss(piece, piece_targets, head)
-    return total / targets.numel() if reduction == "mean" else total
+    if reduction == "sum":
+        return total
+    return total / (targets != IGNORE).sum().clamp(min=1)  # every target counts: the same bits as / numel

@@ -252,10 +252,15 @@ class RestartBudget:
         frame = failure.get("frame") or {}
         where = f"{frame.get('file')}:{frame.get('line')} in {frame.get('function')}" if frame else "an unknown frame"
         at = f"step {failure['step']}" if failure.get("step") is not None else f"start-up phase {failure['phase']}"
-        message = (f"stopped by cause: {failure['error_type']} raised at {where} at {at} on rank {failure['rank']}: "
-                   f"{failure['cause']} ({failure['evidence']}), so a restart would meet it again (resilience."
-                   f"decisions: {failure['cause']}=stop). {failure['message']}. Fix it (the traceback is in "
-                   f"gave_up.json and {self.run_dir.train_log}), then run the step again: a new launch starts afresh.")
+        if failure["cause"] == "input":  # the message names the field and what to do; nothing else to say
+            message = (f"stopped: {failure['message']} (rank {failure['rank']} at {at}: an input this run cannot use, "
+                       "which a restart would meet again). Fix it, then run the step again.")
+        else:
+            message = (f"stopped by cause: {failure['error_type']} raised at {where} at {at} on rank "
+                       f"{failure['rank']}: {failure['cause']} ({failure['evidence']}), so a restart would meet it "
+                       f"again (resilience.decisions: {failure['cause']}=stop). {failure['message']}. Fix it (the "
+                       f"traceback is in gave_up.json and {self.run_dir.train_log}), then run the step again: a new "
+                       "launch starts afresh.")
         self.give_up(message, step=failure.get("step"), cause=failure["cause"], frame=frame,
                      traceback=failure.get("traceback"))
 

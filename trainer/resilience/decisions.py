@@ -43,6 +43,8 @@ def classify(record: dict[str, Any], seen_before: bool, gpu: dict[str, Any] | No
                             f"{gpu.get('node_bad_xids') or []}")
     if _HARDWARE_TEXT.search(record.get("message", "")):
         return "hardware", f"the error names a GPU hardware fault: {record['message'][:120]}"
+    if record.get("input_error"):
+        return "input", f"{record.get('error_type')}: an input this run cannot use, the same on every restart"
     if record.get("secondary"):
         return "lost_peer", "a peer's failure seen through a collective or a connection"
     if record.get("error_type") == TRANSIENT_DRILL:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config.decisions import parse_decisions
+from trainer.config.rules import InputError
 from trainer.resilience.decisions import classify, fingerprint
 from trainer.resilience.flight_recorder import describe, hung_collective
 from trainer.run.events import EventLog
@@ -52,6 +53,7 @@ _DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKIL
            "partition": "was cut off from the job's network", "flap": "lost its link (one of a flap's cuts)",
            "partition_store": "the rendezvous store was cut off from every node"}
 MESSAGE_CHARS = 300
+INPUT_MESSAGE_CHARS = 2000  # an input the run cannot use: its message says what to change, at its end; and it stops
 TRACEBACK_FRAMES, TRACEBACK_CHARS = 5, 2000  # the traceback's end: where it was raised, and how it got there
 SILENT_RANKS_LISTED = 64  # at 8,192 ranks a whole job can be silent: the list is cut, the count is not
 
@@ -74,8 +76,9 @@ def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, s
         frame = ({"file": _short_path(frames[-1].filename), "line": frames[-1].lineno, "function": frames[-1].name}
                  if frames else None)
         record = {"how": "exception", "error_type": type(error).__name__,
-                  "message": " ".join(str(error).split())[:MESSAGE_CHARS], "phase": phase, "step": step,
-                  "secondary": is_lost_peer(error), "frame": frame,
+                  "message": " ".join(str(error).split())[:INPUT_MESSAGE_CHARS if isinstance(error, InputError)
+                                                          else MESSAGE_CHARS], "phase": phase, "step": step,
+                  "secondary": is_lost_peer(error), "input_error": isinstance(error, InputError), "frame": frame,
                   "traceback": "".join(traceback.format_list(frames[-TRACEBACK_FRAMES:]))[-TRACEBACK_CHARS:]}
         record["fingerprint"] = fingerprint(record["error_type"], frame, step, phase)
         # A peer's error is judged as such whatever came before it: only a rank's own error looks for its twin

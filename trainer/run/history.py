@@ -18,7 +18,9 @@ however long the run and however many faults:
   to those a no-progress streak can still reach, and its last fault — with replica groups, one such window per
   group (records carry their group; a group's budget counts its own attempts);
 - the train step's launches (a continuation's wall time is theirs, not the gaps between them), the first process
-  start, each straggling rank's summary.
+  start, each straggling rank's summary;
+- the run's data phases (trainer.data.phases: a few, one per change of its mixture) and the learning-rate schedule
+  its newest start took up (trainer.job.schedule).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class ControlState:
     sdc_strikes: dict[str, int] = field(default_factory=dict)  # node -> fingerprint findings naming it
     oom_kills: dict[str, int] = field(default_factory=dict)  # node -> its cgroup's OOM-kill count at its last start
     rollbacks: list[dict[str, Any]] = field(default_factory=list)
+    data_phases: list[dict[str, Any]] = field(default_factory=list)  # data_phase records, oldest first
+    lr_schedule: dict[str, Any] | None = None  # the newest start's schedule and the decision that gave it
     last_time: float = 0.0  # the newest record folded in
 
     # -- folding ---------------------------------------------------------------------------------------
@@ -126,6 +130,11 @@ class ControlState:
             self.oom_kills[record["node"]] = record["oom_kill"]
         elif kind == "sdc_strike":
             self.sdc_strikes[record["node"]] = record["strikes"]
+        elif kind == "data_phase":
+            fields = ("phase", "start", "step", "order", "corpora", "drawn_before")
+            self.data_phases = [*self.data_phases, {key: record.get(key) for key in fields}]
+        elif kind == "lr_schedule":
+            self.lr_schedule = {key: value for key, value in record.items() if key not in ("event", "rank")}
         elif kind == "data_skipped":
             self.skip_windows.append([record["start"], record["end"]])
         elif kind == "rollback":
