@@ -54,26 +54,29 @@ def test_a_nan_batch_is_rolled_back_and_skipped_and_no_checkpoint_or_weight_hold
     [rerun] = read_events(cfg.run_dir, "numeric_rerun")
     assert rerun["verdict"] == "reproducible" and rerun["ranks_that_differed"] == []
     [rollback] = read_events(cfg.run_dir, "rollback")
-    # node memory holds every step: the newest copy before the anomaly is the step before it
-    assert rollback["reloaded_step"] == FAULT_STEP - 1 and rollback["reload_source"] == "memory"
+    # back rollback_steps (2) from the anomaly: the state after step 8, not the step before it (the newest copy,
+    # which node memory holds), so a cause in the optimizer's state is not trained again from that state
+    assert rollback["target_step"] == rollback["reloaded_step"] == FAULT_STEP - 2
+    assert rollback["reload_source"] in ("memory", "disk") and rollback["lost_steps"] == 1
     batch = 4 * 2  # training.batch_size x ranks
     first = (FAULT_STEP - 1) * batch
     assert rollback["window"] == [first - 2 * batch, first + 2 * batch]
     [skipped] = read_events(cfg.run_dir, "data_skipped")
-    assert [skipped["start"], skipped["end"]] == [first, first + 2 * batch]  # the earlier part was trained
-    assert sum(skipped["by_dataset"].values()) == skipped["samples"] == 2 * batch
-    assert control_state(cfg.run_dir).skip_windows == [[first, first + 2 * batch]]
+    # step 9's batch too (trained once, thrown away with its state), not step 8's: the state holds it
+    assert [skipped["start"], skipped["end"]] == [first - batch, first + 2 * batch]
+    assert sum(skipped["by_dataset"].values()) == skipped["samples"] == 3 * batch
+    assert control_state(cfg.run_dir).skip_windows == [[first - batch, first + 2 * batch]]
     assert [e["fault_key"] for e in read_events(cfg.run_dir, "fault_absorbed")] == [f"nan@{FAULT_STEP}:rank=1"]
     # the goodput: the abandoned step (both passes) is wasted progress, the reload a checkpoint load
     report = training_report(cfg.run_dir, None)
     assert report["badput_seconds"]["wasted_progress"] >= rollback["wasted_seconds"] > 0
     assert report["badput_seconds"]["checkpoint_load"] >= rollback["reload_seconds"] > 0
-    assert report["recovery_totals"]["samples_skipped_by_rollback"] == 2 * batch
+    assert report["recovery_totals"]["samples_skipped_by_rollback"] == 3 * batch
 
     metrics = _metrics(cfg)
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in metrics)
-    after = next(r for r in metrics if r["step"] == FAULT_STEP)
-    assert after["first_sample"] == first + 2 * batch  # the step after the rollback starts past the window
+    after = [r for r in metrics if r["step"] == FAULT_STEP - 1][-1]  # step 9 trained again, after the rollback
+    assert after["first_sample"] == first + 2 * batch  # ... starts past the window
     folders = committed_checkpoints(cfg.checkpoint_dir)
     assert folders
     for _, folder in folders:
@@ -119,22 +122,23 @@ def test_a_spiking_batch_is_rolled_back_and_skipped(tmp_path, token_dir, trainin
     [anomaly] = read_events(cfg.run_dir, "numeric_anomaly")
     assert anomaly["kind"] == "loss_spike" and anomaly["zscore"] > 6
     [rollback] = read_events(cfg.run_dir, "rollback")
-    assert rollback["anomaly"] == "loss_spike" and rollback["reloaded_step"] == FAULT_STEP - 1
+    assert rollback["anomaly"] == "loss_spike" and rollback["reloaded_step"] == FAULT_STEP - 2  # rollback_steps
     assert max(r["loss"] for r in _metrics(cfg) if r["step"] >= FAULT_STEP) < anomaly["median"] * 2
 
 
 def test_the_last_checkpoint_before_an_open_episode_outlives_keep_last(tmp_path, token_dir, training_config):
     """A NaN after the 4th save with keep_last=3: the episode stays open for rollback_steps + skip_steps (10)
-    steps past it, longer than the run, so the step-8 checkpoint from before it is still there at the end."""
+    steps past it, longer than the run, so the checkpoint it went back to (step 6, the newest at or before 9 -
+    rollback_steps) is still there at the end."""
     cfg = training_config(tmp_path, "pinned", *STEPS, "--training.num_steps=18", "--checkpoint.interval_steps=2",
                           "--checkpoint.keep_last=3", "--resilience.skip_steps=8", "--faults.schedule=nan@9:rank=0",
                           "--eval.max_batches=1")
     run_local_training(cfg, token_dir)
     [rollback] = read_events(cfg.run_dir, "rollback")
-    assert (rollback["pinned_step"], rollback["episode_until"]) == (8, 19)
+    assert (rollback["pinned_step"], rollback["episode_until"]) == (6, 19)
     kept = [step for step, _ in committed_checkpoints(cfg.checkpoint_dir)]
-    assert kept == [8, 14, 16, 18]  # keep_last's three, and the one before the anomaly
-    check_checkpoint(cfg.checkpoint_dir / "step-000008")
+    assert kept == [6, 14, 16, 18]  # keep_last's three, and the one it went back to
+    check_checkpoint(cfg.checkpoint_dir / "step-000006")
     assert read_events(cfg.run_dir, "numeric_episode_closed") == []
 
 
@@ -167,14 +171,15 @@ def test_a_flipped_bit_in_one_of_two_groups_rolls_both_back_to_the_last_agreed_s
 def test_a_nan_batch_at_two_groups_rolls_both_back_alike_and_their_parameters_stay_equal(tmp_path, token_dir,
                                                                                          training_config):
     """The loss is averaged across groups before the check: both groups judge the anomaly at the same step, go
-    back to their copy of the step before it and skip the same samples; the fingerprints agree afterwards."""
+    back to their copy of the same step (rollback_steps before it) and skip the same samples; the fingerprints
+    agree afterwards."""
     cfg = training_config(tmp_path, "nan2", *GROUPS, "--training.num_nodes=2", "--training.replica_groups=2",
                           "--resilience.rollback_steps=2", "--resilience.skip_steps=2", "--faults.schedule=nan@6:rank=1")
     result = run_local_training(cfg, token_dir)
     assert result["steps"] == 12
 
     rollbacks = read_events(cfg.run_dir, "rollback")
-    assert sorted((r["group"], r["anomaly_step"], r["reloaded_step"]) for r in rollbacks) == [(0, 6, 5), (1, 6, 5)]
+    assert sorted((r["group"], r["anomaly_step"], r["reloaded_step"]) for r in rollbacks) == [(0, 6, 4), (1, 6, 4)]
     skipped = read_events(cfg.run_dir, "data_skipped")
     assert len({(s["start"], s["end"]) for s in skipped}) == 1 and {s["group"] for s in skipped} == {0, 1}
     assert read_events(cfg.run_dir, "sdc_found") == []  # the fingerprints at steps 8 and 12 agree

@@ -140,9 +140,13 @@ class ResilienceConfig:
     to be a baseline."""
 
     rollback_steps: int = 100
-    """A reproducible anomaly at step S: training goes back to the newest checkpoint committed before S, and
-    the window of samples it skips starts this many global batches before S's (PaLM, section 5.1, restarted
-    ~100 steps before a spike): what of it that checkpoint has not trained yet is never trained."""
+    """A reproducible anomaly at step S: training goes back to the newest state at or before step S -
+    rollback_steps (PaLM, section 5.1, restarted ~100 steps before a spike: a cause in the optimizer's state is
+    not trained again from that same state), and the window of samples it skips starts this many global batches
+    before S's: what of it that state has not trained yet is never trained. Node memory holds the newest step or
+    two, so a rollback of 2 or more steps reads the FSx checkpoint at or before its target (one checkpoint load,
+    and up to rollback_steps + checkpoint.interval_steps steps trained again; none older: training goes on from
+    where it is, the anomalous step not applied). 0 and 1 go back to the state just before S."""
 
     skip_steps: int = 200
     """...and ends this many global batches after S's first sample, S's own batch included (PaLM skipped

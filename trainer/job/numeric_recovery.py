@@ -1,8 +1,9 @@
 """What the loop does with a numeric anomaly (trainer.resilience.numerics): execute the step again on the same
 batch, then go on with the clean result, or roll back and skip a window of samples.
 
-The rollback (PaLM, section 5.1): training goes back to the newest checkpoint committed before the anomaly,
-from whichever tier holds it (node memory, a peer's replica, FSx, S3), and the samples
+The rollback (PaLM, section 5.1): training goes back to the newest state at or before step S - rollback_steps, S
+the anomaly's step, from whichever tier holds it (node memory, a peer's replica, FSx, S3; node memory holds the
+newest step or two, so going further back reads the FSx checkpoint at or before that step), and the samples
 [first - rollback_steps x B, first + skip_steps x B) are skipped, B the global batch and first the anomalous
 batch's first sample: whatever of them the checkpoint has not trained yet is never trained. Without a
 checkpoint, training goes on from where it is: the anomalous step was never applied. The checkpoints
@@ -118,7 +119,9 @@ class NumericRecovery:
         trainer, cfg = self.trainer, self.trainer.cfg.resilience
         batch = trainer.global_batch
         window = [max(0, anomaly.first_sample - cfg.rollback_steps * batch), anomaly.first_sample + cfg.skip_steps * batch]
-        target = anomaly.step - 1
+        # the newest state at or before S - rollback_steps (PaLM's ~100 steps back: a cause in the optimizer's
+        # state is not replayed), and never the anomalous step itself: rollback_steps 0 and 1 go back to S - 1
+        target = max(0, min(anomaly.step - 1, anomaly.step - cfg.rollback_steps))
         trainer.checkpointer.wait()  # the saves in flight land: every tier then holds what it says
         if self.episode is None or trainer.step >= self.episode["until"]:  # a new episode: pin what came before it
             self.episode = {"pinned_step": trainer.checkpointer.newest_committed_at_or_before(target), "until": 0}
@@ -138,7 +141,7 @@ class NumericRecovery:
                   "pinned_step": self.episode["pinned_step"], "episode_until": self.episode["until"],
                   # the goodput's badput (trainer.planning.measured): checkpoint_load and wasted_progress
                   "reload_seconds": reload_seconds, "wasted_seconds": wasted_seconds}
-        trainer.budget_rollback(record)  # records it; gives up here after too many rollbacks without progress
+        trainer.restart_budget.rolled_back(record)  # records it; gives up after too many rollbacks without progress
         if trainer.rank == 0:
             trainer.events.write("data_skipped", step=anomaly.step, start=untrained[0], end=untrained[1],
                                  samples=record["samples"], by_dataset=record["by_dataset"], why=anomaly.kind)

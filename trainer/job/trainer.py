@@ -269,10 +269,6 @@ class Trainer:
             dist.all_reduce(group_loss, op=dist.ReduceOp.AVG)
         return self.replica_groups.average_across_groups(group_loss)
 
-    def budget_rollback(self, record: dict[str, Any]) -> None:
-        """A rollback counts against the restart budget by progress (trainer.resilience.budget)."""
-        self.restart_budget.rolled_back(record)
-
     @property
     def data_parallel_ranks(self) -> int:
         """Every rank of every replica group: a step's samples are split over all of them."""
