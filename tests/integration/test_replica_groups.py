@@ -265,8 +265,9 @@ TODAY = Path(__file__).resolve().parents[1] / "data" / "r1-today" / "losses.json
 def test_one_replica_group_trains_what_the_path_before_replica_groups_trained(tmp_path, token_dir, training_config,
                                                                            shape, monkeypatch):
     """R = 1 is today's path, bit for bit: the losses of a clean run (one node of 2 ranks; 2 nodes of 2) equal
-    those computed before replica groups existed (commit 32e85b0), made again once with the sample order of issue
-    40 (commit 9a17704; tests/data/r1-today: its make_fixture.py, the torch and transformers versions it ran with).
+    those computed before replica groups existed (commit 32e85b0), made again with the sample orders of issue 40
+    (commit 9a17704) and issue 50 (commit 3c00563; tests/data/r1-today: its make_fixture.py, the torch and
+    transformers versions it ran with).
 
     Both sides run with the CPU kernels pinned to the baseline x86-64 instructions (the fixture's `env`: ATen's
     dispatch, oneDNN's ISA, MKL's conditional numerical reproducibility): torch's kernels otherwise pick their
