@@ -15,7 +15,6 @@ folder whose manifest did not verify.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -26,9 +25,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from trainer.checkpoint import reads
+from trainer.run import digest
 from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
@@ -50,21 +48,16 @@ HASH_ALGORITHM = "xxh3_128"
 
 
 def hasher(algorithm: str):
-    if algorithm == "xxh3_128":
-        return xxhash.xxh3_128()
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise CheckpointError(f"unknown manifest hash algorithm {algorithm!r}")
+    """A fresh hash object of a manifest's hash_algorithm."""
+    if algorithm not in digest.ALGORITHMS:
+        raise CheckpointError(f"unknown manifest hash algorithm {algorithm!r}")
+    return digest.hasher(algorithm)
 
 
-def hash_file(path: Path, algorithm: str = HASH_ALGORITHM, chunk_bytes: int = 8 << 20) -> str:
-    """Content hash for corruption detection (not tamper-proofing: the manifest sits beside the data)."""
-    digest = hasher(algorithm)
-    with path.open("rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-            reads.count(len(chunk))
-    return digest.hexdigest()
+def hash_file(path: Path, algorithm: str = HASH_ALGORITHM) -> str:
+    """A checkpoint file's content hash (trainer.run.digest), its bytes counted as checkpoint reads."""
+    hasher(algorithm)  # an unknown algorithm is the manifest's fault: CheckpointError
+    return digest.hash_file(path, algorithm, on_chunk=reads.count)
 
 
 def library_versions() -> dict[str, str]:

@@ -13,16 +13,14 @@ from typing import Any, Iterator
 import torch
 import xxhash
 
+from trainer.model.parallelize import local_shard
+
 _ALIGN = 64
 _CHUNK = 1 << 20
 
 
 class StateMismatch(ValueError):
     """A stored copy does not fit the state it should be restored into (other model, world size or rank)."""
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    return value.to_local() if hasattr(value, "to_local") else value
 
 
 def flatten(state: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
@@ -34,7 +32,7 @@ def flatten(state: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         for index, value in enumerate(state):
             yield from flatten(value, (*path, index))
     elif isinstance(state, torch.Tensor):
-        yield path, _local(state)
+        yield path, local_shard(state)
     else:
         yield path, state
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from trainer.data.documents import CHUNK_CHARS, DOCUMENT_FORMATS, Chunk, DataError, text_chunks
 from trainer.data.documents import documents as documents_of
 from trainer.data.tokenizer import LoadedTokenizer, load_tokenizer
+from trainer.run.digest import hash_file
 from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,7 @@ def _quiet_worker() -> None:
 
 def file_digests(files: list[Path]) -> list[list[str]]:
     """(name, sha256 of the contents) of each file in sorted order (streamed: no file is held in memory)."""
-    out = []
-    for path in sorted(files):
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while block := handle.read(8 << 20):
-                digest.update(block)
-        out.append([path.name, digest.hexdigest()])
-    return out
+    return [[path.name, hash_file(path, "sha256")] for path in sorted(files)]
 
 
 def combined_content_hash(digests: list[list[str]], val_fraction: float, tokenizer_json: str,

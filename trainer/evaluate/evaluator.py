@@ -38,6 +38,7 @@ from trainer.data.tokenizer import load_tokenizer
 from trainer.evaluate.heldout import Ranks, generate, heldout_loss, heldout_windows
 from trainer.evaluate.tasks import TaskContext, run_tasks
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
+from trainer.model.parallelize import local_shard
 from trainer.observe.memory import peak_rss, reset_peak, return_freed_memory
 from trainer.run.run_dir import RunDir, read_json, write_json
 
@@ -141,7 +142,7 @@ class Evaluator:
     def _memory(self, rss_before: int) -> dict[str, list[int]]:
         """Each rank's resident memory before the final evaluation, its peak during it (evaluation, export, the
         champion's load) and its parameters' shard: what the evaluation cost over the shard it already held."""
-        shard = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in self.model.parameters())
+        shard = sum(local_shard(p).nbytes for p in self.model.parameters())
         mine = [rss_before, peak_rss(), shard]
         every: list[Any] = [mine] * self.ranks.world_size
         if self.ranks.world_size > 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -84,11 +84,6 @@ def total(norm: torch.Tensor) -> torch.Tensor:
 def clip(model: torch.nn.Module, norm: torch.Tensor, grad_clip: float) -> None:
     """clip_grad_norm_'s second half, with the norm its first half gave (forward_backward)."""
     torch.nn.utils.clip_grads_with_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"), norm)
-
-
-def local(value: Any) -> Any:
-    """A DTensor's local shard (FSDP2's parameters and their optimizer state); anything else as it is."""
-    return value.to_local() if hasattr(value, "to_local") else value
 
 
 class MetricsWriter:

@@ -29,9 +29,10 @@ from trainer.job.numeric_recovery import NumericRecovery, past_skipped
 from trainer.job.startup import start_process
 from trainer.job.schedule import Schedule
 from trainer.job.continuation import take_up_data_phases, take_up_schedule
-from trainer.job.step import MetricsWriter, clip, forward_backward, local, mean_targets, step_extras, total
+from trainer.job.step import MetricsWriter, clip, forward_backward, mean_targets, step_extras, total
 from trainer.model.base import load_base_weights
 from trainer.model.llama import build_model, copy_initial_weights
+from trainer.model.parallelize import local_shard
 from trainer.model.optimizer import initialize_state, optimizer_groups_of
 from trainer.observe.flops import StepFigures
 from trainer.resilience.in_process import InProcessAttempt
@@ -113,16 +114,16 @@ class Trainer:
         shards): the local shards of the parameters and of AdamW's state, the step and the last loss."""
         params = list(self.model.parameters())
         return {"step": self.step, "last_loss": self.last_loss, "next_sample": self.next_sample,
-                "params": [local(p.detach()) for p in params],
-                "optim": [{k: local(v) for k, v in self.optimizer.state[p].items()} for p in params]}
+                "params": [local_shard(p.detach()) for p in params],
+                "optim": [{k: local_shard(v) for k, v in self.optimizer.state[p].items()} for p in params]}
 
     def load_live_state(self, state: dict[str, Any]) -> None:
         self.checkpointer.before_state_changes()
         with torch.no_grad():
             for p, value, optim in zip(self.model.parameters(), state["params"], state["optim"]):
-                local(p).copy_(value)
+                local_shard(p).copy_(value)
                 for key, tensor in optim.items():
-                    local(self.optimizer.state[p][key]).copy_(tensor)
+                    local_shard(self.optimizer.state[p][key]).copy_(tensor)
         self.step, self.last_loss = int(state["step"]), float(state["last_loss"])
         self.next_sample = int(state["next_sample"])
 

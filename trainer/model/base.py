@@ -39,6 +39,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trainer.config.rules import InputError
 from trainer.data.tokenizer import LoadedTokenizer
+from trainer.run.digest import hash_file
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +134,6 @@ def expected_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _file_digest(path: Path) -> str:
-    digest = xxhash.xxh3_128()
-    with path.open("rb") as handle:
-        while block := handle.read(8 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, Any] | None = None, *,
                        hash_files: bool = True) -> dict[str, Any]:
     """Check every safetensors file of the folder against the config and hash it; the index (see the module's
@@ -177,7 +170,7 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
         same = old is not None and (old["bytes"], old["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns)
         listed.append({"name": path.name, "bytes": stat.st_size, "header_bytes": header_bytes,
                        "mtime_ns": stat.st_mtime_ns,
-                       "xxh3": old["xxh3"] if same else _file_digest(path) if hash_files else None})
+                       "xxh3": old["xxh3"] if same else hash_file(path) if hash_files else None})
     expected = expected_tensors(config)
     for name, shape in expected.items():
         found = tensors.get(name)

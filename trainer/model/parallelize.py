@@ -33,6 +33,12 @@ _SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_effi
               torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops.aten.max.default}
 
 
+def local_shard(value):
+    """A DTensor's local shard (FSDP2's parameters, their gradients and optimizer state): this rank's part, sharing
+    its storage; anything else as it is."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
 def device_mesh(training: TrainingConfig, world_size: int, device: torch.device) -> DeviceMesh:
     """The ranks' mesh: (replicate, shard) when training.data_parallel_replicate_degree > 1, else one dimension.
     Replicas are the mesh's rows: ranks [0, shard) are replica 0, the next `shard` ranks replica 1 (a node's

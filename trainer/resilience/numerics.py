@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.drills import NUMERIC_FAULTS, Fault
+from trainer.model.parallelize import local_shard
 from trainer.run.tail import read_last_records
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,7 @@ class NumericGuard:
 
 def _local_view(grad: torch.Tensor) -> torch.Tensor:
     """A gradient's local shard (FSDP2: a DTensor), flat, sharing its storage."""
-    return (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)
+    return local_shard(grad).view(-1)
 
 
 def _differ(first: float, second: float) -> bool:

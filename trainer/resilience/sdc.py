@@ -24,14 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.model.parallelize import local_shard
+
 
 def shard_fingerprint(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """This rank's parameter shard as two int64 numbers: the sums of its raw words and of their squares."""
     total = torch.zeros(2, dtype=torch.int64, device=device)
     with torch.no_grad():
         for parameter in model.parameters():
-            local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-            flat = local.detach().reshape(-1)
+            flat = local_shard(parameter).detach().reshape(-1)
             if not flat.numel():
                 continue
             words = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16).to(torch.int64)
