@@ -219,3 +219,56 @@ def test_group_loss_drills_parse_with_their_group_and_permanence():
     cfg = load_config(None, ["--training.num_nodes=4", "--training.replica_groups=2",
                              "--resilience.min_replica_groups=1", "--faults.schedule=group_loss@9:group=1:permanent"])
     assert cfg.resilience.min_groups(2) == 1
+
+
+def test_a_config_extends_another_and_takes_its_clusters_values_from_one_env_file(tmp_path):
+    (tmp_path / "overlay").mkdir()
+    (tmp_path / "overlay" / "cluster-values.env").write_text(
+        "# the overlay's values\nIMAGE=registry/trainer@sha256:abc\n\nGPU_INSTANCE_TYPE=p5.48xlarge\nBUCKET=art\n")
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump({
+        "training": {"num_steps": 100, "lr": 0.5}, "eval": {"export_uri": "s3://${BUCKET}/exports"},
+        "kubernetes": {"image": "${IMAGE}", "node_selector": "node.kubernetes.io/instance-type=${GPU_INSTANCE_TYPE}"}}))
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump({"extends": "base.yaml",
+                                                        "cluster_values": "overlay/cluster-values.env",
+                                                        "training": {"num_steps": 7}}))
+    cfg = load_config(tmp_path / "job.yaml", ["--training.warmup_steps=3"])
+    assert (cfg.training.num_steps, cfg.training.lr, cfg.training.warmup_steps) == (7, 0.5, 3)  # section by section
+    assert cfg.kubernetes.image == "registry/trainer@sha256:abc"
+    assert cfg.kubernetes.node_selector == "node.kubernetes.io/instance-type=p5.48xlarge"
+    assert cfg.eval.export_uri == "s3://art/exports"
+    assert "${" not in cfg.to_yaml()  # what the pipeline and the run folder carry: the values
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"job.yaml": {"cluster_values": "values.env", "kubernetes": {"image": "${IMAGE}"}}, "values.env": "OTHER=1\n"},
+     r"kubernetes.image: \$\{IMAGE\} is not set in .*values.env \(cluster_values\): add IMAGE=... there"),
+    ({"job.yaml": {"cluster_values": "missing.env"}},
+     r"job.yaml: cluster_values: .*missing.env not found"),
+    ({"job.yaml": {"cluster_values": "values.env"}, "values.env": "IMAGE\n"},
+     r"values.env:1: expected KEY=value, got 'IMAGE'"),
+    ({"job.yaml": {"extends": "other.yaml"}, "other.yaml": {"extends": "job.yaml"}}, r"extends itself"),
+    ({"job.yaml": {"extends": "nowhere.yaml"}}, r"config file 'nowhere.yaml' not found"),
+])
+def test_a_broken_extends_or_cluster_values_names_the_file(tmp_path, files, message):
+    for name, content in files.items():
+        (tmp_path / name).write_text(content if isinstance(content, str) else yaml.safe_dump(content))
+    with pytest.raises(ConfigError, match=message):
+        load_config(tmp_path / "job.yaml")
+
+
+def test_the_eks_configs_carry_their_overlays_values():
+    """One source: each EKS config's cluster values are its overlay's cluster-values.env (the manifests' source)."""
+    for name in ("dev", "prod", "cpt"):
+        values = dict(line.split("=", 1) for line in (CONFIG_DIR.parents[1] / "manifests" / "overlays" / name /
+                                                      "cluster-values.env").read_text().splitlines()
+                      if line and not line.startswith("#"))
+        cfg = load_config(f"eks-{name}")
+        assert (cfg.kubernetes.image, cfg.kubernetes.pipeline_image) == (values["IMAGE"], values["PIPELINE_IMAGE"])
+        assert cfg.kubernetes.node_selector_map == {"node.kubernetes.io/instance-type": values["GPU_INSTANCE_TYPE"]}
+        assert cfg.eval.export_uri == f"s3://{values['ARTIFACT_BUCKET']}/exports"
+
+
+def test_a_base_config_alone_is_refused_naming_its_placeholder():
+    with pytest.raises(ConfigError, match=r"data.fsx_file_system_id: \$\{FSX_FILE_SYSTEM_ID\} in .*eks-llama31-8b.yaml, "
+                                          r"which names no cluster_values file"):
+        load_config(CONFIG_DIR / "base" / "eks-llama31-8b.yaml")

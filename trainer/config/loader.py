@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -159,17 +160,86 @@ def resolve_config_path(config: str | Path) -> Path:
 
 
 def load_config(config: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Load a YAML config (path or bundled name; None for defaults) and apply overrides."""
+    """Load a YAML config (path or bundled name; None for defaults) and apply overrides.
+
+    Two keys of a file are the loader's, not sections: ``extends: <file>`` (a path beside this file, or a bundled
+    name) takes that config first, this file's keys over it, section by section; ``cluster_values: <file>`` (a
+    path beside this file: a kustomize overlay's ``KEY=value`` env file) fills each ``${KEY}`` in a string value,
+    so that a cluster's values are written once, where its manifests take them from."""
     raw: dict[str, Any] = {}
     if config is not None:
         path = resolve_config_path(config)
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from err
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+        raw, values_file = _read_config_file(path, ())
+        raw = _fill_placeholders(raw, _read_env_file(values_file) if values_file else {}, values_file or path)
     return merge_overrides(raw, overrides)
+
+
+def _read_config_file(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, Any], Path | None]:
+    """(the file's sections over those of what it extends, the cluster_values file: its own, else its base's)."""
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: extends itself through {' -> '.join(str(p) for p in seen)}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    base_name, values_name = raw.pop("extends", None), raw.pop("cluster_values", None)
+    values_file = _beside(path, values_name, "cluster_values") if values_name is not None else None
+    if base_name is None:
+        return raw, values_file
+    base_path = path.parent / str(base_name)
+    base, base_values = _read_config_file(base_path if base_path.is_file() else resolve_config_path(str(base_name)),
+                                          (*seen, path.resolve()))
+    merged = {section: dict(values or {}) for section, values in base.items()}
+    for section, values in raw.items():
+        if values is not None and not isinstance(values, dict):
+            raise ConfigError(f"{path}: {section}: expected a mapping of keys, got {values!r}")
+        merged.setdefault(section, {}).update(values or {})
+    return merged, values_file or base_values
+
+
+def _beside(path: Path, name: Any, key: str) -> Path:
+    found = path.parent / str(name)
+    if not found.is_file():
+        raise ConfigError(f"{path}: {key}: {found} not found (a path beside the config file: run from a checkout of "
+                          "the repository, whose manifests/ the EKS configs take their cluster's values from)")
+    return found
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    """KEY=value lines, blank lines and # comments: kustomize's configMapGenerator `envs` format."""
+    values = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{path}:{number}: expected KEY=value, got {line!r}")
+        values[key.strip()] = value.strip()
+    return values
+
+
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _fill_placeholders(value: Any, values: dict[str, str], source: Path, name: str = "") -> Any:
+    """Every ${KEY} in the strings of `value` replaced by values[KEY]; a key the file lacks names the field."""
+    if isinstance(value, dict):
+        return {key: _fill_placeholders(item, values, source, f"{name}.{key}" if name else str(key))
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [_fill_placeholders(item, values, source, f"{name}[{index}]") for index, item in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+    missing = [key for key in _PLACEHOLDER.findall(value) if key not in values]
+    if missing and source.suffix in (".yaml", ".yml"):
+        raise ConfigError(f"{name}: ${{{missing[0]}}} in {source}, which names no cluster_values file (a base "
+                          "config: run a config that extends it and names its cluster's cluster-values.env)")
+    if missing:
+        raise ConfigError(f"{name}: ${{{missing[0]}}} is not set in {source} (cluster_values): add "
+                          f"{missing[0]}=... there")
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], value)
 
 
 def merge_overrides(raw: dict[str, Any], overrides: list[str]) -> Config:
