@@ -54,7 +54,7 @@ CRASH_LOOP_EXIT_CODE = 42
 # A survivor's rendezvous waited resilience.replacement_timeout_seconds for a replacement that never came:
 # restart the whole job (trainer.launch.node_lifecycle).
 REPLACEMENT_TIMEOUT_EXIT_CODE = 43
-# The node is not fit to train (trainer.launch.node_health): replace it.
+# The node is not fit to train (trainer.resilience.health): replace it.
 NODE_UNHEALTHY_EXIT_CODE = 44
 # With replica groups, what 43 becomes: a survivor of one group waited in vain for a replacement; that group
 # restarts (locally: its nodes; on EKS: each of its pods is replaced by index), the other groups train on.

@@ -8,7 +8,7 @@ import pytest
 
 from trainer.config.decisions import parse_decisions
 from trainer.config.drills import DEFAULT_STARTUP_TIMEOUTS, parse_startup_timeouts
-from trainer.resilience.decisions import classify
+from trainer.config.decisions import classify
 from trainer.resilience.failures import explain_restarts, handled_fault_keys, is_lost_peer, record_failure
 from trainer.resilience.phases import PhaseWatchdog
 from trainer.env import BUDGET_SINCE_ENV

@@ -2,7 +2,8 @@
 
 - pipelines/ → components/ → trainer/: no layer imports one above it, and no module imports itself back
   through others (a cycle only works while some import hides inside a function);
-- no module over 350 lines, and each says in its first line what it is for;
+- no module over 450 lines (a prompt to look, not a rule to split one concept by), and each says in its first line
+  what it is for;
 - trainer/ is grouped by concern (issue 31): its rooms stack in ROOMS' order and no import runs from a lower
   room up to a higher one; its root holds only the package, `python -m trainer`, the env module and the stable
   entry points that pod specs carry (thin, and each of them starts); the env module imports nothing; nothing
@@ -26,14 +27,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["trainer", "components", "pipelines"]  # lowest first
-MAX_LINES = 350
+MAX_LINES = 450
 # trainer/'s rooms, lowest first: a module may import its own room and the ones below it.
 ROOMS = ["trainer.env", "trainer.run", "trainer.config", "trainer.planning", "trainer.observe", "trainer.data",
          "trainer.model", "trainer.resilience", "trainer.checkpoint", "trainer.evaluate", "trainer.launch", "trainer.job"]
 # The commands rendered manifests and running jobs' pod specs carry (`python -m <module>`): kept as thin
 # entry points at the root, so a job keeps its pod spec when its image is upgraded.
 ENTRY_POINTS = {"trainer.launcher": "trainer.launch.launcher", "trainer.rendezvous_store": "trainer.launch.rendezvous_store",
-                "trainer.node_health": "trainer.launch.node_health", "trainer.warm_start": "trainer.launch.warm_start",
+                "trainer.node_health": "trainer.resilience.health", "trainer.warm_start": "trainer.launch.warm_start",
                 "trainer.export": "trainer.checkpoint.export", "trainer.lighthouse": "trainer.launch.lighthouse"}
 ROOT_MODULES = {"trainer", "trainer.__main__", "trainer.env", *ENTRY_POINTS}
 FORK_SERVER = "trainer.launch.warm_start"  # its job is to import the trainer ahead of time, inside its functions

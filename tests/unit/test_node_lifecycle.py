@@ -107,7 +107,7 @@ class FakeNvml:
 
 
 def test_a_node_joins_only_with_every_gpu_and_efa_device():
-    from trainer.launch.node_health import node_problems
+    from trainer.resilience.health import node_problems
 
     eight = [f"/dev/infiniband/uverbs{i}" for i in range(32)]
     assert node_problems(8, 32, nvml=FakeNvml(8), efa_devices=eight) == []

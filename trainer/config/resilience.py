@@ -118,7 +118,7 @@ class ResilienceConfig:
     """What is done about a failed attempt, by its cause, 'cause=decision,...' over the defaults: hardware=
     replace_node, lost_peer=restart, deterministic=stop (the same exception in the same frame at the same step a
     second time in a launch), data=rollback, transient=restart. Decisions: restart, replace_node, stop,
-    rollback (data only); docs/numeric-faults.md has the table (trainer.resilience.decisions)."""
+    rollback (data only); docs/numeric-faults.md has the table (trainer.config.decisions)."""
 
     numeric_checks: bool = True
     """Check every step's loss and gradient norm before the optimizer applies them (they are all-reduced anyway:

@@ -62,7 +62,7 @@ def _gpu_health(trainer: Trainer | None) -> dict | None:
 
 
 def act_on(failure: dict, budget) -> None:
-    """The decision on a failure's cause (trainer.resilience.decisions): stop ends the launch; replace_node takes
+    """The decision on a failure's cause (trainer.config.decisions): stop ends the launch; replace_node takes
     this node out through the node-replacement path; restart (and a rollback, decided in the step) lets the
     exception reach the launcher as before."""
     if failure["decision"] == "stop" and budget is not None:

@@ -48,7 +48,7 @@ from trainer.env import (CRASH_LOOP_EXIT_CODE, GENERATION_ENV, GROUP_RESTART_EXI
                          NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV, NODE_UNHEALTHY_EXIT_CODE,
                          REPLACEMENT_TIMEOUT_EXIT_CODE, REPLICA_GROUP_ENV, WARM_START_ENV, WARM_START_PID_ENV)
 from trainer.launch.groups import REPLICA_GROUPS_OPTION, join_replica_group
-from trainer.launch.node_health import node_problems
+from trainer.resilience.health import node_problems
 from trainer.launch.node_watch import NodeWatch
 from trainer.launch.parent_watch import forked_children_die_with_this_process, watch_parent
 from trainer.launch.rendezvous_store import report_finished

@@ -247,7 +247,7 @@ class RestartBudget:
         raise RestartBudgetExhausted(message)
 
     def stop(self, failure: dict[str, Any]) -> None:
-        """A failure whose cause's decision is stop (trainer.resilience.decisions): this rank writes gave_up.json,
+        """A failure whose cause's decision is stop (trainer.config.decisions): this rank writes gave_up.json,
         which ends the launch (trainer.launcher watches for it), and raises RestartBudgetExhausted."""
         frame = failure.get("frame") or {}
         where = f"{frame.get('file')}:{frame.get('line')} in {frame.get('function')}" if frame else "an unknown frame"

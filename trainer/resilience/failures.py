@@ -25,7 +25,7 @@ from typing import Any
 
 from trainer.config.decisions import parse_decisions
 from trainer.config.rules import InputError
-from trainer.resilience.decisions import classify, fingerprint
+from trainer.config.decisions import classify, fingerprint
 from trainer.resilience.flight_recorder import describe, hung_collective
 from trainer.run.events import EventLog
 from trainer.run.history import ControlState, control_state, handled_keys, launched_at_from_environment
@@ -66,7 +66,7 @@ def is_lost_peer(error: BaseException) -> bool:
 def record_failure(run_dir: Path, rank: int, error: BaseException, phase: str, step: int | None,
                    decisions: dict[str, str] | None = None, gpu: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """A rank's own record of the exception it fails with, with its evidence, cause and decision
-    (trainer.resilience.decisions); the record, or None when none was written (never raises: the failure itself
+    (trainer.config.decisions); the record, or None when none was written (never raises: the failure itself
     matters more). A trainer whose run folder belongs to another launch (trainer.run.lease) records nothing
     there. decisions: resilience.decisions parsed; gpu: NVML's health report now (None without NVML)."""
     if type(error).__name__ in ("LeaseLost", "RunFolderBusy"):
@@ -216,7 +216,7 @@ def _explain(records: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
 
 
 def _decision(records: list[dict[str, Any]], rank: int | None) -> dict[str, Any]:
-    """The decision taken on the first failed rank's cause (its own record's: trainer.resilience.decisions);
+    """The decision taken on the first failed rank's cause (its own record's: trainer.config.decisions);
     a rank that left none (killed by a signal, a drill, a hang) was restarted as a transient fault."""
     own = next((e for e in records if e.get("rank") == rank and e.get("decision")), None)
     if own is not None:
