@@ -45,8 +45,10 @@ def control_plane_section(after: dict, before: dict | None) -> list[str]:
              "leaves a failure record from every other rank, then a restart. Each reader runs in a fresh process "
              f"(the fastest of {after.get('repeats', 1)}: noise only adds): wall seconds, files opened, bytes read (rchar), peak RSS "
              "(VmHWM). *Before* is the release before the event store (one events file per rank, every reader "
-             f"parsing all of them), measured with `bench/legacy/control_plane_before.py` at commit "
-             f"{(before or {}).get('measured_at_commit', '?')}; its 8,192 x 30 row is extrapolated from the measured "
+             f"parsing all of them), measured in a checkout of commit {(before or {}).get('measured_at_commit', '?')} "
+             "by a script that imported that release's readers (bench/legacy/control_plane_before.py until issue 51 "
+             "removed it, since it runs nowhere else: `git show dc677a9:bench/legacy/control_plane_before.py`); its "
+             "result is bench/results/control_plane_before.json. Its 8,192 x 30 row is extrapolated from the measured "
              "1,024 x 30 one (x records, files x 8): 13 GB of that history does not fit two cores' patience.", ""]
     rows = []
     for reader, name in READER_NAMES.items():

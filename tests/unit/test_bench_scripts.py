@@ -33,7 +33,7 @@ def test_a_bench_script_imports_and_prints_its_help(script, monkeypatch):
     before = _tracked_changes()
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
     monkeypatch.syspath_prepend(str(script.parent))
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # bench/legacy's scripts import bench/common too
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
         runpy.run_path(str(script), run_name="__main__")
