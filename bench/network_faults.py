@@ -23,7 +23,7 @@ from pathlib import Path
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train.local import run_local_training  # noqa: E402
-from components.train.network import netns_problem  # noqa: E402
+from localcluster.network import netns_problem  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.run.events import read_events  # noqa: E402
 from trainer.run.run_dir import RunDir, read_jsonl  # noqa: E402

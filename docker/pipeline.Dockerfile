@@ -10,11 +10,12 @@ COPY pyproject.toml README.md constraints.txt ./
 COPY docker/pipeline-requirements.txt ./docker/
 COPY pipelines ./pipelines
 COPY components ./components
+COPY localcluster ./localcluster
 COPY trainer ./trainer
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
     && pip install --no-cache-dir -c constraints.txt -r docker/pipeline-requirements.txt \
     && pip check \
-    && python -c "import components, pipelines, trainer, kfp, kfp.kubernetes, mlflow, psycopg2"
+    && python -c "import components, localcluster, pipelines, trainer, kfp, kfp.kubernetes, mlflow, psycopg2"
 
 # Non-root, as every pod that uses this image runs (uid/gid 10001; the FSx roots are prepared for it).
 RUN groupadd --gid 10001 app && useradd --uid 10001 --gid 10001 --home-dir /tmp --no-create-home app

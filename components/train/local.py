@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from components.train.nodes import launch_nodes
-from components.train.processes import (CrashLoop, JobCancelled, LaunchOutput, TrainingError, TrainingTimeout,
+from localcluster.nodes import launch_nodes
+from localcluster.processes import (CrashLoop, JobCancelled, LaunchOutput, TrainingError, TrainingTimeout,
                                         cancel_on_sigterm, job_processes, launch_env, raise_for_exit, stop_job)
 from trainer.config import Config
 from trainer.env import JOB_TOKEN_ENV, RUN_DIR_ENV

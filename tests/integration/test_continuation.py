@@ -7,7 +7,7 @@ import pytest
 
 from components.stage.shards import write_mixture
 from components.train.local import run_local_training
-from components.train.processes import TrainingInputError
+from localcluster.processes import TrainingInputError
 from pipelines.demo_data import demo_files
 from trainer.config import DatasetConfig
 from trainer.config.rules import InputError

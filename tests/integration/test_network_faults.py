@@ -1,6 +1,6 @@
 """Faults the network makes, with real processes: each node's launcher and workers in a network namespace of its own
 (local.node_network=netns), the rendezvous store in another, the run folder shared, and the runner cutting links
-from outside (components/train/network_drills.py). Root only: namespaces, veth pairs and a bridge are made with
+from outside (localcluster/network_drills.py). Root only: namespaces, veth pairs and a bridge are made with
 `ip`; elsewhere (the GitHub workflow runs as a user) every test here skips and says why.
 
 What a cut-off node must do (docs/network-faults.md): be declared lost within the timeouts and replaced; write
@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from components.train.local import RUN_DIR_ENV, job_processes, run_local_training
-from components.train.network import leftovers, netns_problem
+from localcluster.network import leftovers, netns_problem
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir, read_json, read_jsonl
 from tests.metrics import losses_by_step

@@ -3,7 +3,7 @@ tests/integration/test_network_faults.py, as root)."""
 
 import pytest
 
-from components.train import network
+from localcluster import network
 from trainer.config import ConfigError, load_config
 from trainer.config.drills import parse_schedule
 

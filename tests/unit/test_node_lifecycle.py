@@ -7,8 +7,8 @@ import sys
 import pytest
 import yaml
 
-from components.train.network import LoopbackNetwork
-from components.train.nodes import node_command
+from localcluster.network import LoopbackNetwork
+from localcluster.nodes import node_command
 from tests.kube import MANIFESTS
 from trainer.env import CRASH_LOOP_EXIT_CODE, REPLACEMENT_TIMEOUT_EXIT_CODE
 from trainer.launch.launcher import external_store, is_rendezvous_timeout

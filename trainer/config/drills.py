@@ -6,7 +6,7 @@ touched here: trainer.resilience.faults fires the faults, trainer.resilience.pha
     resilience.startup_timeouts = "rendezvous=60,restore_fsx=600"
 
 Loop faults fire after a step; numeric drills act inside one (a poisoned batch, a flipped gradient bit); network drills are enacted by the local runner from outside the nodes
-(components/train/network.py) once the run has trained their step; save drills act at one sub-step of a save; start-up hangs hang a rank in one
+(localcluster/network.py) once the run has trained their step; save drills act at one sub-step of a save; start-up hangs hang a rank in one
 start-up phase. A schedule item that could never fire is refused when the schedule is parsed.
 """
 

@@ -6,7 +6,7 @@ Kubeflow Trainer's torch plugin gives every pod of the job PET_NNODES (the job's
 pod's index, JOB_COMPLETION_INDEX). With training.replica_groups = R each group is a world of its own: node i
 is node i mod (N / R) of group i // (N / R), with its own rendezvous (``--rdzv-id=<job>-group-<g>`` on the
 job's one rendezvous store: c10d keys every rendezvous by its id) and its own node count. The local runner
-sets the same variables itself (components/train/nodes.py), so this changes nothing there.
+sets the same variables itself (localcluster/nodes.py), so this changes nothing there.
 """
 
 from __future__ import annotations

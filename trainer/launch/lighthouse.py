@@ -3,7 +3,7 @@
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 5000 --heartbeat_timeout_ms 2000 --bind 0.0.0.0:29510
 
 It runs beside the groups, never inside one, so it outlives any group's loss: locally a process of the runner
-(components/train/nodes.py starts it again if it dies), on EKS a replicated job of its own with a Service
+(localcluster/nodes.py starts it again if it dies), on EKS a replicated job of its own with a Service
 (manifests/base/runtime). It holds no training state: a restarted lighthouse forms the next quorum from the
 groups' heartbeats, and the managers retry their quorum request meanwhile (resilience.lighthouse_retries).
 """

@@ -6,7 +6,7 @@ in the rendezvous for the newcomer, which restores its shards from the peer repl
 (docs/node-loss.md). The launcher's exit code says which way a node's end goes:
 
 ====================  =============  =====================================================================
-exit code             verdict        locally (components/train/nodes.py)  /  on EKS (podFailurePolicy)
+exit code             verdict        locally (localcluster/nodes.py)  /  on EKS (podFailurePolicy)
 ====================  =============  =====================================================================
 0                     finished       the node is done                     /  the index succeeds
 42 (crash loop)       fail the job   CrashLoop, never relaunched           /  FailJob -> JobSet FailJobSet

@@ -49,7 +49,7 @@ _DRILLS = {"exception": "raised InjectedFault", "sigkill": "was killed by SIGKIL
            "(as the OOM killer leaves it)", "hang": "hung (no heartbeat)", "hang_in_collective": "hung in a collective",
            "node_loss": "lost its node", "corrupt_memory": "was killed by SIGKILL with its node memory corrupted",
            "group_loss": "was lost with its whole replica group",
-           # the runner's network drills (components/train/network_drills.py): the record names a node, not a rank
+           # the runner's network drills (localcluster/network_drills.py): the record names a node, not a rank
            "partition": "was cut off from the job's network", "flap": "lost its link (one of a flap's cuts)",
            "partition_store": "the rendezvous store was cut off from every node"}
 MESSAGE_CHARS = 300

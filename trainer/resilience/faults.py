@@ -54,7 +54,7 @@ class FaultInjector:
         fired on this rank under this node's launcher (`straggling_here`): the rank is still slow."""
         mine = [f for f in faults if f.rank == rank and (f.repeat or f.key not in fired_keys)
                 and f.type not in STARTUP_HANGS  # those hang in start-up (trainer.resilience.phases)
-                and f.type not in NETWORK_FAULTS  # the local runner enacts those (components/train/network.py)
+                and f.type not in NETWORK_FAULTS  # the local runner enacts those (localcluster/network.py)
                 and f.type not in NUMERIC_FAULTS]  # they act inside the step (trainer.resilience.numerics)
         self.pending = [f for f in mine if f.type not in SAVE_FAULTS and not f.repeat]
         self.repeating = [f for f in mine if f.repeat]

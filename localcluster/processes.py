@@ -1,5 +1,5 @@
 """The processes of one training launch, for both local launchers (components/train/local.py: every rank on
-this machine; components/train/nodes.py: a launcher per node): their environment, their output (train.log,
+this machine; localcluster/nodes.py: a launcher per node): their environment, their output (train.log,
 the ranks' exception lines), how they are stopped (every process carrying the launch's token, whatever its
 session), and what a launcher's exit code means for the step.
 """

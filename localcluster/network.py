@@ -193,7 +193,7 @@ class NamespaceNetwork:
         fcntl.flock(handle, fcntl.LOCK_EX)
         self.lock_handle = handle
         # The keeper shares the lock (one open file): a start sweeps the token only once both are gone.
-        self.keeper = subprocess.Popen([sys.executable, "-m", "components.train.network", "keep", self.token,
+        self.keeper = subprocess.Popen([sys.executable, "-m", "localcluster.network", "keep", self.token,
                                         str(os.getpid())], pass_fds=(handle.fileno(),), start_new_session=True,
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
@@ -293,7 +293,7 @@ def _keep(token: str, parent: int) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m components.train.network")
+    parser = argparse.ArgumentParser(prog="python -m localcluster.network")
     parser.add_argument("command", choices=["keep", "sweep"])
     parser.add_argument("token", nargs="?")
     parser.add_argument("parent", nargs="?", type=int)

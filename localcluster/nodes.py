@@ -33,9 +33,9 @@ from pathlib import Path
 
 import psutil
 
-from components.train.network import node_network
-from components.train.network_drills import network_drills
-from components.train.processes import (CrashLoop, LaunchOutput, TrainingError, TrainingTimeout, job_processes,
+from localcluster.network import node_network
+from localcluster.network_drills import network_drills
+from localcluster.processes import (CrashLoop, LaunchOutput, TrainingError, TrainingTimeout, job_processes,
                                         launch_env, raise_for_exit)
 from trainer.config import Config
 from trainer.config.drills import parse_schedule
@@ -71,7 +71,7 @@ class NodeReplacementTimeout(TrainingError):
 
 def node_command(command: list[str], index: int, address: str) -> list[str]:
     """The node's own memory folder under the job's (a replacement finds its predecessor's gone), and an
-    address of its own (components.train.network: 127.0.0.<index + 1> on loopback, the host name rt-node-<index>
+    address of its own (localcluster.network: 127.0.0.<index + 1> on loopback, the host name rt-node-<index>
     with namespaces), as each pod has its host name: NVRx 0.4.1's rendezvous orders nodes by address whenever the
     node completing a round saw no earlier one (a replacement), so a stable address per node index is what keeps
     every survivor's rank — and with it the node memory its ranks wrote."""
