@@ -41,6 +41,12 @@ PROMOTION_TAG = "promotion"  # pending -> champion | lost | abandoned
 WINDOWS_TAG = "eval_windows"  # the held-out windows' fingerprint the version's heldout_loss was measured on
 
 
+def loss_tag(loss: float) -> str:
+    """A version's heldout_loss tag: the loss exactly (repr round-trips a float). Rounded (6 decimals, as before),
+    a later candidate with the very same loss beat it whenever the rounding went up: 3.26912784576416 < 3.269128."""
+    return repr(float(loss))
+
+
 @dataclass
 class GateDecision:
     promote: bool
@@ -126,7 +132,7 @@ def promote_if_better(client, *, model_name: str, threshold: float, record: dict
     source = record["export"]["uri"]
     version = client.create_model_version(
         model_name, source=source, run_id=run_id, model_id=model_id, description=decision.reason,
-        tags={**tags, "heldout_loss": f"{record['candidate']['heldout_loss']:.6f}", WINDOWS_TAG: record["windows"],
+        tags={**tags, "heldout_loss": loss_tag(record["candidate"]["heldout_loss"]), WINDOWS_TAG: record["windows"],
               **({"model_id": model_id} if model_id else {}), PROMOTION_TAG: "pending"})
     if model_id:
         _link_logged_model(client, model_id, model_name, version.version)

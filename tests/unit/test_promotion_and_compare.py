@@ -46,3 +46,20 @@ def test_formats():
     assert table[0].split() == COLUMNS and table[1].startswith("b ")
     with pytest.raises(ValueError, match="--format 'xml'"):
         render(ROWS, "xml")
+
+
+def test_a_candidate_with_the_champions_very_loss_does_not_beat_its_tag():
+    """The champion's loss read back from its version's tag (a run on the same windows) is the loss it was registered
+    with, bit for bit: an identical retrain ties and keeps the champion at threshold 0. With the tag rounded to 6
+    decimals (3.269128) the same 3.26912784576416 won, and four identical concurrent runs all promoted."""
+    from types import SimpleNamespace
+
+    from components.evaluate.promotion import WINDOWS_TAG, decide_against, loss_tag
+
+    for loss in (3.26912784576416, 0.1 + 0.2, 2.0 / 3.0, 5.5):
+        champion = SimpleNamespace(version="1", tags={"heldout_loss": loss_tag(loss), WINDOWS_TAG: "w"})
+        record = {"candidate": {"heldout_loss": loss}, "windows": "w"}
+        decision = decide_against(champion, record, 0.0, "promote")
+        assert decision.promote is False and decision.champion_loss == loss, decision.reason
+        better = decide_against(champion, {**record, "candidate": {"heldout_loss": loss * (1 - 1e-12)}}, 0.0, "promote")
+        assert better.promote is True
