@@ -138,30 +138,30 @@ def test_a_corpus_keeps_its_sample_order_wherever_data_datasets_lists_it(corpora
 
 def test_a_changed_mixture_is_refused_on_a_continuation_naming_each_change(corpora):
     first = _mixture(corpora, "a", [("web", 3), ("code", 1)])
-    [phase0] = [first.continue_phases([], position=0, step=0, resumed=False, on_change="refuse")]
+    [phase0] = [first.continue_phases([], position=0, step=0, on_change="refuse")]
     assert [c.name for c in phase0.corpora] == ["code", "web"] and phase0.start == 0
     changed = _mixture(corpora, "b", [("web", 3), ("code", 2), ("books", 1)])
     with pytest.raises(MixtureChanged, match=r"data.datasets: the corpora differ from those this run drew its first 400 "
                                              r"samples from \(data phase 0\): books added \(weight 1\); code weight 1 -> 2\."
                                              r".*--data.on_mixture_change=new_phase"):
-        changed.continue_phases([phase0], position=400, step=50, resumed=True, on_change="refuse")
+        changed.continue_phases([phase0], position=400, step=50, on_change="refuse")
     same = _mixture(corpora, "c", [("code", 1), ("web", 3)])  # listed in another order: the same mixture
-    assert same.continue_phases([phase0], position=400, step=50, resumed=True, on_change="refuse") is None
+    assert same.continue_phases([phase0], position=400, step=50, on_change="refuse") is None
 
 
 def test_a_new_data_phase_keeps_every_sample_drawn_and_each_kept_corpus_goes_on_where_it_left_off(corpora):
     """web 3 : code 1 for 400 samples, then web 1 : code 1 : books 1 (books added, web and code re-weighted)."""
     before = _mixture(corpora, "a", [("web", 3), ("code", 1)])
-    phase0 = before.continue_phases([], position=0, step=0, resumed=False, on_change="refuse")
+    phase0 = before.continue_phases([], position=0, step=0, on_change="refuse")
     after = _mixture(corpora, "b", [("web", 1), ("code", 1), ("books", 1)])
-    phase1 = after.continue_phases([phase0], position=400, step=50, resumed=True, on_change="new_phase")
+    phase1 = after.continue_phases([phase0], position=400, step=50, on_change="new_phase")
     assert (phase1.phase, phase1.start, phase1.step) == (1, 400, 50)
     assert {c.name: c.offset for c in phase1.corpora} == {"books": 0, "code": 100, "web": 300}
     assert phase1.drawn_before == before.drawn_by_identity(400)
 
     # a restart after it (the same mixture, listed in any order) takes up both phases, and nothing new
     restarted = _mixture(corpora, "c", [("books", 1), ("code", 1), ("web", 1)])
-    assert restarted.continue_phases([phase0, phase1], position=420, step=52, resumed=True,
+    assert restarted.continue_phases([phase0, phase1], position=420, step=52,
                                      on_change="refuse") is None
     # the 400 samples drawn before the boundary are what phase 0 drew (a rollback across it trains them again)
     assert _named_windows(restarted, np.arange(400)) == _named_windows(before, np.arange(400))
@@ -179,9 +179,9 @@ def test_a_new_data_phase_keeps_every_sample_drawn_and_each_kept_corpus_goes_on_
 
 def test_a_rollback_into_a_phase_whose_corpus_was_removed_names_it(corpora):
     before = _mixture(corpora, "a", [("web", 3), ("code", 1)])
-    phase0 = before.continue_phases([], position=0, step=0, resumed=False, on_change="refuse")
+    phase0 = before.continue_phases([], position=0, step=0, on_change="refuse")
     after = _mixture(corpora, "b", [("web", 1), ("books", 1)])
-    phase1 = after.continue_phases([phase0], position=400, step=50, resumed=True, on_change="new_phase")
+    phase1 = after.continue_phases([phase0], position=400, step=50, on_change="new_phase")
     assert {c.name: c.offset for c in phase1.corpora} == {"books": 0, "web": 300}
     assert after.drawn(600) == {"books": 100, "web": 400}
     with pytest.raises(DataError, match=r"samples of data phase 0 \(from sample 0\) come from code:[0-9a-f]+, which "
@@ -190,10 +190,11 @@ def test_a_rollback_into_a_phase_whose_corpus_was_removed_names_it(corpora):
 
 
 def test_a_run_begun_before_data_phases_resumes_in_the_order_it_trained_in(corpora):
-    """Its corpora keyed by position in data.datasets (the release before): a resume with no data_phase record
-    takes up that order, so the samples it drew are not re-ordered under it."""
+    """Its corpora keyed by position in data.datasets (the release before): a resume of its checkpoint (no
+    data.order in it: Trainer.load_state_dict gives "position") with no data_phase record takes up that order, so
+    the samples it drew are not re-ordered under it."""
     batches = _mixture(corpora, "a", [("web", 3), ("code", 1)])
-    phase0 = batches.continue_phases([], position=200, step=25, resumed=True, on_change="refuse")
+    phase0 = batches.continue_phases([], position=200, step=25, first_order="position", on_change="refuse")
     assert phase0.order == "position" and [c.name for c in phase0.corpora] == ["web", "code"]
     corpora_, windows = batches.windows_of(np.arange(3000))
     for index, corpus in enumerate(batches.corpora):  # the release before: epoch_key(seed, position, epoch)

@@ -141,14 +141,15 @@ class TokenBatches:
         self._plans = [_PhasePlan(phase, self.corpora) for phase in self.phases]
         self._starts = np.array([phase.start for phase in self.phases], dtype=np.int64)
 
-    def continue_phases(self, recorded: list[DataPhase], *, position: int, step: int, resumed: bool,
-                        on_change: str) -> DataPhase | None:
+    def continue_phases(self, recorded: list[DataPhase], *, position: int, step: int, first_order: str = "name",
+                        on_change: str = "refuse") -> DataPhase | None:
         """At a start, the run's phases (its data_phase records) and the sample stream's position: take them up, and
-        return the phase to record when one begins here — phase 0 at a run's first start (ordered by position when
-        it resumes a run begun before phases: the order it trained in), a new phase when the corpora changed and
+        return the phase to record when one begins here — phase 0 when none is recorded (first_order: the order
+        the resumed checkpoint trained in, its data.order: "position" for a checkpoint of a release before data
+        phases, so a run begun then goes on in the order it trained in), a new phase when the corpora changed and
         on_change is new_phase. A change with on_change=refuse is a MixtureChanged naming it."""
         if not recorded:
-            self.set_phases([first_phase(self.current, "position" if resumed else "name")])
+            self.set_phases([first_phase(self.current, first_order)])
             return self.phases[0]
         self.set_phases(recorded)
         changes = describe_change(recorded[-1], self.current)

@@ -21,7 +21,9 @@ from typing import Any, Iterable
 
 from trainer.config.rules import InputError
 
-ORDERS = ("name", "position")  # position: the mixture of a run begun before data phases (its corpora by position)
+# How phase 0 keys its corpora: by name (and content), or by position (a run begun before data phases). Every
+# checkpoint holds its run's (data.order: an index into ORDERS); one without it is of a release before phases.
+ORDERS = ("name", "position")
 
 
 class MixtureChanged(InputError):

@@ -35,7 +35,8 @@ def take_up_data_phases(trainer, *, resumed: bool) -> None:
     InputError, when the corpora changed and data.on_mixture_change=refuse)."""
     recorded = [DataPhase.from_record(record) for record in trainer.resilience.history.data_phases]
     begun = trainer.batches.continue_phases(recorded, position=trainer.next_sample, step=trainer.step,
-                                            resumed=resumed, on_change=trainer.cfg.data.on_mixture_change)
+                                            first_order=trainer.saved_order if resumed else "name",
+                                            on_change=trainer.cfg.data.on_mixture_change)
     if begun is None:
         return
     if begun.phase > 0:

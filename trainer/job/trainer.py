@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer.checkpoint import reads as checkpoint_reads
 from trainer.checkpoint.format import step_dir_name
 from trainer.data.batches import skipped_ranges
+from trainer.data.phases import ORDERS
 from trainer.config import Config
 from trainer.job.numeric_recovery import NumericRecovery, past_skipped
 from trainer.job.startup import start_process
@@ -53,6 +54,7 @@ class Trainer:
         # optimizer steps completed; the global sample index the next step starts at (trainer.data.batches)
         self.step, self.next_sample, self.last_loss = 0, 0, float("nan")
         self.schedule = self.saved_schedule = Schedule.of(cfg.training)  # the LR's (trainer.job.schedule)
+        self.saved_order = "name"  # the sample order the resumed checkpoint trained in (trainer.data.phases)
         started = start_process(cfg, self.data_dir, in_process, step_of=lambda: self.step)
         # the process in its job
         self.rank, self.world_size, self.device = started.rank, started.world_size, started.device
@@ -87,7 +89,9 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         return {"model": model_state, "optim": optim_state,
                 "trainer": {"step": torch.tensor(self.step), "last_loss": torch.tensor(self.last_loss)},
-                "data": {"next_sample": torch.tensor(self.next_sample)}, "schedule": self.schedule.to_state(),
+                "data": {"next_sample": torch.tensor(self.next_sample),
+                         "order": torch.tensor(ORDERS.index(self.batches.phases[0].order))},  # trainer.data.phases
+                "schedule": self.schedule.to_state(),
                 "rng": {f"rank{self.rank}": rng}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -103,6 +107,8 @@ class Trainer:
         stored = state.get("data", {}).get("next_sample")
         self.next_sample = int(stored) if stored is not None else self.step * self.global_batch
         self.saved_schedule = Schedule.from_state(state.get("schedule", {}))  # None: a checkpoint before schedules
+        order = state["data"].get("order") if "data" in state else None  # none: a release before data phases
+        self.saved_order = ORDERS[int(order)] if order is not None else "position"
         rng = state["rng"].get(f"rank{self.rank}")
         if rng is not None:
             torch.set_rng_state(rng["cpu"])
