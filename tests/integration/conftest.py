@@ -6,6 +6,7 @@ import pytest
 from pipelines.demo_data import demo_files
 from trainer.config import load_config
 from trainer.data.shards import tokenize_files
+from tests.metrics import STEADY, losses_by_step
 from trainer.run.events import read_events
 
 # Small enough for 2 CPU ranks in seconds; still the real model, FSDP2, gloo and DCP.
@@ -50,6 +51,26 @@ def trained_run(tmp_path_factory, token_dir):
                           "--checkpoint.interval_steps=4")
     result = run_local_training(cfg, token_dir)
     return cfg, result
+
+
+REFERENCE_STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def clean_reference(tmp_path_factory, token_dir):
+    """{step: loss} of one clean run of REFERENCE_STEPS steps in the shape of FAST_TRAINING and STEADY (1 node x 2
+    ranks): what a fault-free run of that shape trains at each step, whatever its num_steps, its checkpoint interval
+    and mode, its node memory or its restart settings — none of them changes what is computed, which is what the
+    tests comparing with it assert of their faulty runs."""
+    from components.train.local import run_local_training
+
+    cfg = _training_config(tmp_path_factory.mktemp("reference"), "reference", *STEADY,
+                           f"--training.num_steps={REFERENCE_STEPS}", "--checkpoint.interval_steps=4",
+                           "--faults.schedule=")
+    run_local_training(cfg, token_dir)
+    losses = losses_by_step(cfg.run_dir / "metrics.jsonl")
+    assert sorted(losses) == list(range(1, REFERENCE_STEPS + 1))
+    return losses
 
 
 AUDIT = "straggler-audit.jsonl"

@@ -11,12 +11,9 @@ from tests.launch import start_launcher
 from trainer.checkpoint.format import (committed_checkpoints, latest_valid_checkpoint, stale_folders, step_dir_name,
                                        verify_checkpoint)
 from trainer.run.events import read_events
-from tests.metrics import losses_by_step
+from tests.metrics import STEADY, first_steps, losses_by_step
 
 pytestmark = pytest.mark.integration
-
-STEPS = ["--training.num_steps=16", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=3"]
-
 
 def kill_everything(proc, token):
     """kill -9 of the launcher and of every process of the launch, wherever it sits; returns once all are gone."""
@@ -65,12 +62,11 @@ def losses(cfg):
     return losses_by_step(cfg.run_dir / "metrics.jsonl")
 
 
-def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(tmp_path, token_dir, training_config):
+def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(tmp_path, token_dir, training_config,
+                                                                               clean_reference):
     # Long enough that the kills that land after a save committed (the writer thread finishes a save of this
     # model in a few tenths of a second) leave steps for the next attempts.
-    steps = ["--training.num_steps=40", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=3"]
-    reference_cfg = training_config(tmp_path / "reference", "reference", *steps)
-    run_local_training(reference_cfg, token_dir)
+    steps = [*STEADY, "--training.num_steps=40", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=3"]
 
     cfg = training_config(tmp_path / "crashy", "crashy", *steps, "--checkpoint.mode=async")
     rng = random.Random(20261130)
@@ -88,7 +84,7 @@ def test_kill_9_during_async_saves_resumes_from_the_newest_committed_checkpoint(
 
     result = run_local_training(cfg, token_dir)
     assert result["steps"] == 40
-    assert losses(cfg) == losses(reference_cfg)  # every step, replays included, bit-identical
+    assert losses(cfg) == first_steps(clean_reference, 40)  # every step, replays included, bit-identical
 
     resumes = [event["step"] for event in read_events(cfg.run_dir, "resume")]
     assert resumes == sorted(resumes), "a restart went back past a committed checkpoint"
@@ -141,18 +137,15 @@ COMMITTED_BEFORE_THE_KILL = {"before_parent_fsync", "retention"}  # the rename h
 
 
 @pytest.fixture(scope="module")
-def drilled(tmp_path_factory, token_dir, training_config):
-    _training_config = training_config
+def drilled(tmp_path_factory, token_dir, training_config, clean_reference):
     # The FSx tier alone: with node memory on, these restarts would resume from memory (its own tests).
-    steps = ["--training.num_steps=20", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=1",
+    steps = [*STEADY, "--training.num_steps=20", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=1",
              "--checkpoint.memory_interval_steps=0"]
-    work = tmp_path_factory.mktemp("drills")
-    clean = _training_config(work / "clean", "clean", *steps)
-    run_local_training(clean, token_dir)
-    faulty = _training_config(work / "faulty", "faulty", *steps, f"--faults.schedule={', '.join(DRILLS)}",
-                              "--resilience.max_restarts=6", "--resilience.job_restarts=0")
+    faulty = training_config(tmp_path_factory.mktemp("drills"), "faulty", *steps,
+                             f"--faults.schedule={', '.join(DRILLS)}", "--resilience.max_restarts=6",
+                             "--resilience.job_restarts=0")
     result = run_local_training(faulty, token_dir)
-    return clean, faulty, result
+    return first_steps(clean_reference, 20), faulty, result
 
 
 @pytest.mark.parametrize("key", list(DRILLS))
@@ -177,7 +170,7 @@ def test_a_kill_at_each_sub_step_of_a_save_resumes_from_the_newest_committed_che
 def test_after_every_drill_the_losses_are_bit_identical_and_nothing_stale_is_left(drilled):
     clean, faulty, result = drilled
     assert result["steps"] == 20
-    assert losses(faulty) == losses(clean)
+    assert losses(faulty) == clean
     assert [step for step, _ in committed_checkpoints(faulty.checkpoint_dir)] == [20]  # keep_last=1
     assert latest_valid_checkpoint(faulty.checkpoint_dir).manifest["step"] == 20
     assert stale_folders(faulty.checkpoint_dir) == []

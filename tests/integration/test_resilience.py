@@ -1,16 +1,14 @@
 """Injected faults recovered by ft_launcher (in-job) and by a job-level relaunch, on 2 CPU ranks."""
 
-import json
-
 import pytest
 
 from components.train.local import TrainingError, run_local_training
 from trainer.run.events import read_events
-from tests.metrics import losses_by_step
+from tests.metrics import STEADY, first_steps, losses_by_step
 
 pytestmark = pytest.mark.integration
 
-STEPS = ["--training.num_steps=24", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=2",
+STEPS = [*STEADY, "--training.num_steps=24", "--checkpoint.interval_steps=2", "--checkpoint.keep_last=2",
          "--resilience.heartbeat_timeout=8", "--resilience.initial_heartbeat_timeout=90"]
 # Every fault type that needs a restart, on alternating ranks, in one run.
 SCHEDULE = ("exception@3:rank=0, sigkill@7:rank=1, exit@11:rank=0, hang@15:rank=1, "
@@ -21,17 +19,15 @@ def _losses(cfg):
     return losses_by_step(cfg.run_dir / "metrics.jsonl")
 
 
-def test_every_fault_type_is_recovered_with_bit_identical_losses(tmp_path, token_dir, training_config):
-    clean = training_config(tmp_path / "clean", "clean", *STEPS)
-    run_local_training(clean, token_dir)
-
+def test_every_fault_type_is_recovered_with_bit_identical_losses(tmp_path, token_dir, training_config,
+                                                               clean_reference):
     # Default budgets: seven faults with progress between them spend nothing (trainer.resilience.budget).
     faulty = training_config(tmp_path / "faulty", "faulty", *STEPS, f"--faults.schedule={SCHEDULE}")
     result = run_local_training(faulty, token_dir)
 
     assert result["steps"] == 24
-    assert _losses(faulty) == _losses(clean)  # every step, replays included, bit-identical
-    assert result["final_loss"] == json.loads((clean.run_dir / "result.json").read_text())["final_loss"]
+    assert _losses(faulty) == first_steps(clean_reference, 24)  # every step, replays included, bit-identical
+    assert result["final_loss"] == clean_reference[24]
 
     faults = read_events(faulty.run_dir, "fault")
     assert [f["fault_type"] for f in faults] == ["exception", "sigkill", "exit", "hang", "hang_in_collective",
@@ -96,10 +92,9 @@ def test_without_job_restarts_the_failure_is_reported(tmp_path, token_dir, train
         run_local_training(cfg, token_dir)
 
 
-def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path, token_dir, training_config):
-    steps = ["--training.num_steps=20", "--checkpoint.interval_steps=2", "--resilience.heartbeat_timeout=30"]
-    clean = training_config(tmp_path / "clean", "clean", *steps)
-    run_local_training(clean, token_dir)
+def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path, token_dir, training_config,
+                                                                        clean_reference):
+    steps = [*STEADY, "--training.num_steps=20", "--checkpoint.interval_steps=2", "--resilience.heartbeat_timeout=30"]
 
     # exception and hang: in-process; the process death goes to ft_launcher; in the new process three more
     # exceptions are in-process too: training progressed between them, so none counts against
@@ -112,7 +107,7 @@ def test_in_process_restart_recovers_exceptions_and_hangs_and_escalates(tmp_path
     result = run_local_training(faulty, token_dir)
 
     assert result["steps"] == 20
-    assert _losses(faulty) == _losses(clean)
+    assert _losses(faulty) == first_steps(clean_reference, 20)
     by_fault = {r["fault_key"]: r for r in read_events(faulty.run_dir, "recovery")}
     assert by_fault["exception@4:rank=1"]["mechanism"] == "in_process"
     assert by_fault["hang@8:rank=0"]["mechanism"] == "in_process"
