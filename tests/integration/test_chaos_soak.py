@@ -33,8 +33,9 @@ TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--t
             "--local.demo_documents=200", "--eval.max_batches=4", "--eval.max_new_tokens=4",
             "--resilience.heartbeat_timeout=8",
             "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1",
-            # A start-up hang ends at its phase's timeout: short ones, still far above a normal phase here.
-            "--resilience.startup_timeouts=" + ",".join(f"{phase}=15" for phase in STARTUP_PHASES)]
+            # A start-up hang ends at its phase's timeout: short ones (test_fail_slow ends them at 6 s), still
+            # far above a normal phase here.
+            "--resilience.startup_timeouts=" + ",".join(f"{phase}=8" for phase in STARTUP_PHASES)]
 # group_loss needs replica groups: the soak with R = 2 below; the network drills, nodes in namespaces
 # (test_network_faults); the numeric drills change what is trained (a skipped window): test_numeric_faults; a
 # bug stops the run by design (test_restart_budget)

@@ -1,7 +1,7 @@
 """The node-memory tier under real faults: 2 CPU ranks under ft_launcher, each rank a node of its own
 (checkpoint.memory_node_per_rank), its state copied to node memory after every step and replicated to the
-other rank. FSx checkpoints every 3 steps (the newest before the faults at step 5 is step 3), so a resume
-from FSx would lose 2 steps.
+other rank. FSx checkpoints every 3 steps (the newest before a fault at step 5 is step 3, before one at step 8
+step 6), so a resume from FSx would lose 2 steps.
 """
 
 import pytest
@@ -9,11 +9,11 @@ import pytest
 from components.train.local import run_local_training
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
-from tests.metrics import losses_by_step
+from tests.metrics import STEADY, first_steps, losses_by_step
 
 pytestmark = pytest.mark.integration
 
-STEPS = ["--training.num_steps=8", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
+STEPS = [*STEADY, "--training.num_steps=10", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
          "--resilience.job_restarts=0"]
 
 
@@ -22,37 +22,39 @@ def _losses(cfg):
 
 
 @pytest.fixture(scope="module")
-def clean_losses(tmp_path_factory, token_dir, training_config):
-    cfg = training_config(tmp_path_factory.mktemp("clean"), "clean", *STEPS)
-    run_local_training(cfg, token_dir)
-    return _losses(cfg)
+def clean_losses(clean_reference):
+    return first_steps(clean_reference, 10)
 
 
-@pytest.mark.parametrize("fault, extra, source, reloaded", [
-    ("sigkill@5:rank=1", [], "memory", {5}),  # a process fault: the node's memory holds step 5, copied before
+@pytest.mark.parametrize("faults, extra", [
+    # Default copies: a process fault, the node's memory holds step 5, copied before; then rank 1's node memory
+    # gone (its node lost): rank 0 keeps its replica. Replication runs beside the next step, so the replica of
+    # the step that had just completed may still have been in flight: step 8, or step 7. (A resume from FSx would
+    # read step 3 and step 6.)
+    ({"sigkill@5:rank=1": ("memory", {5}), "node_loss@8:rank=1": ("peer", {7, 8})}, []),
     # The copy off the step's critical path (trainer.checkpoint.node_copy): step 5's copy may have been in flight
     # when the process died, and then the node holds step 4.
-    ("sigkill@5:rank=1", ["--checkpoint.memory_copy=async"], "memory", {4, 5}),
-    # Rank 1's node memory is gone; rank 0 keeps its replica. Replication runs beside the next step, so the
-    # replica of the step that had just completed may still have been in flight: step 5, or step 4.
-    ("node_loss@5:rank=1", [], "peer", {4, 5}),
+    ({"sigkill@5:rank=1": ("memory", {4, 5})}, ["--checkpoint.memory_copy=async"]),
     # Waiting for each replica: the peer always holds the step that had completed.
-    ("node_loss@5:rank=1", ["--checkpoint.peer_replica_wait=true"], "peer", {5}),
+    ({"node_loss@5:rank=1": ("peer", {5})}, ["--checkpoint.peer_replica_wait=true"]),
     # No replica, and the newest copy corrupt: the other slot (step 4) is the newest intact copy.
-    ("corrupt_memory@5:rank=1", ["--checkpoint.peer_replica=false"], "memory", {4}),
-])
+    ({"corrupt_memory@5:rank=1": ("memory", {4})}, ["--checkpoint.peer_replica=false"]),
+], ids=["default", "async-copy", "replica-wait", "corrupt-without-replica"])
 def test_a_fault_resumes_from_the_nearest_copy_with_bit_identical_losses(tmp_path, token_dir, training_config,
-                                                                         clean_losses, fault, extra, source, reloaded):
-    cfg = training_config(tmp_path, "faulty", *STEPS, f"--faults.schedule={fault}", *extra)
+                                                                         clean_losses, faults, extra):
+    cfg = training_config(tmp_path, "faulty", *STEPS, f"--faults.schedule={', '.join(faults)}", *extra)
     result = run_local_training(cfg, token_dir)
 
-    assert result["steps"] == 8
+    assert result["steps"] == 10
     assert _losses(cfg) == clean_losses  # every step, replays included, bit-identical
-    [recovery] = read_events(cfg.run_dir, "recovery")
-    assert recovery["mechanism"] == "ft_launcher"
-    assert recovery["reload_source"] == source and recovery["reloaded_step"] in reloaded
-    assert recovery["lost_steps"] == 5 - recovery["reloaded_step"]
-    if fault.startswith("corrupt"):
+    recoveries = {r["fault_key"]: r for r in read_events(cfg.run_dir, "recovery")}
+    assert sorted(recoveries) == sorted(faults)
+    for fault, (source, reloaded) in faults.items():
+        recovery = recoveries[fault]
+        assert recovery["mechanism"] == "ft_launcher"
+        assert recovery["reload_source"] == source and recovery["reloaded_step"] in reloaded, recovery
+        assert recovery["lost_steps"] == int(fault.split("@")[1].split(":")[0]) - recovery["reloaded_step"]
+    if any(fault.startswith("corrupt") for fault in faults):
         assert "does not match its checksum" in RunDir(cfg.run_dir).train_log.read_text()
 
 

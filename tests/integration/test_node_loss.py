@@ -17,7 +17,7 @@ from tests.metrics import losses_by_step
 
 pytestmark = pytest.mark.integration
 
-STEPS = ["--training.num_steps=8", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
+STEPS = ["--training.num_steps=12", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
          "--training.nproc_per_node=1", "--checkpoint.peer_replica_wait=true",
          "--local.node_replacement_delay_seconds=2"]
 
@@ -39,41 +39,43 @@ def clean_losses(tmp_path_factory, token_dir, training_config):
         cfg = training_config(tmp_path_factory.mktemp(f"clean{nodes}"), "clean", *STEPS, f"--training.num_nodes={nodes}",
                               "--faults.schedule=")
         result = run_local_training(cfg, token_dir)
-        assert result["steps"] == 8
+        assert result["steps"] == 12
         losses[nodes] = _losses(cfg)
     return losses
 
 
-@pytest.mark.parametrize("nodes, schedule, source, reloaded", [
-    # The survivor restores from its own node memory, the newcomer from the replica its neighbour holds.
-    (2, "node_loss@5:rank=1", "peer", 5),
-    # Node 0 too: the rendezvous lives outside every node, and ranks stay with their nodes.
-    (2, "node_loss@5:rank=0", "peer", 5),
-    # Step 6's FSx save is still being written when the node goes: memory and the replica still hold step 6.
-    (2, "node_loss@6:rank=1", "peer", 6),
+@pytest.mark.parametrize("nodes, recoveries", [
+    # One run, three nodes lost one after another. The survivor restores from its own node memory, the newcomer
+    # from the replica its neighbour holds; node 0 too (the rendezvous lives outside every node, and ranks stay with
+    # their nodes); at step 6 the FSx save of step 6 is still being written when the node goes, and memory and the
+    # replica still hold step 6.
+    (2, {"node_loss@4:rank=1": ("peer", 4), "node_loss@6:rank=1": ("peer", 6), "node_loss@10:rank=0": ("peer", 10)}),
     # Two neighbours at once: rank 1's replica lived on node 2 — both copies are gone, so every rank goes to FSx
     # (step 3), still without restarting node 0.
-    (3, "node_loss@5:rank=1,node_loss@5:rank=2", "disk", 3),
-])
+    (3, {"node_loss@5:rank=1,node_loss@5:rank=2": ("disk", 3)}),
+], ids=["one-at-a-time", "two-neighbours-at-once"])
 def test_a_lost_node_is_replaced_while_the_others_keep_running(tmp_path, token_dir, training_config, clean_losses,
-                                                              nodes, schedule, source, reloaded):
+                                                              nodes, recoveries):
+    schedule = ",".join(recoveries)
     cfg = training_config(tmp_path, "lost", *STEPS, f"--training.num_nodes={nodes}", f"--faults.schedule={schedule}")
     result = run_local_training(cfg, token_dir)
 
-    assert result["steps"] == 8
+    assert result["steps"] == 12
     assert _losses(cfg) == clean_losses[nodes]
-    [recovery] = read_events(cfg.run_dir, "recovery")
-    assert recovery["mechanism"] == "ft_launcher"  # in-job: no whole-job restart
-    assert sorted(recovery["fault_keys"]) == sorted(schedule.split(","))
-    assert recovery["reload_source"] == source and recovery["reloaded_step"] == reloaded
-    assert recovery["lost_steps"] == int(schedule.split("@")[1].split(":")[0]) - reloaded
-    # From memory and the replica, the shared file system serves nothing; from FSx, the checkpoint (hashed, loaded).
-    assert (recovery["fsx_bytes_read"] == 0) == (source == "peer") and recovery["fsx_bytes_read"] >= 0
+    found = read_events(cfg.run_dir, "recovery")
+    assert len(found) == len(recoveries)
+    for recovery, (faults, (source, reloaded)) in zip(found, recoveries.items()):
+        assert recovery["mechanism"] == "ft_launcher"  # in-job: no whole-job restart
+        assert sorted(recovery["fault_keys"]) == sorted(faults.split(","))
+        assert recovery["reload_source"] == source and recovery["reloaded_step"] == reloaded, recovery
+        assert recovery["lost_steps"] == int(faults.split("@")[1].split(":")[0]) - reloaded
+        # From memory and the replica, the shared file system serves nothing; from FSx, the checkpoint (hashed, loaded).
+        assert (recovery["fsx_bytes_read"] == 0) == (source == "peer") and recovery["fsx_bytes_read"] >= 0
     assert all(launch["job_attempt"] == 0 for launch in read_events(cfg.run_dir, "launch"))
-    lost = {int(item.split("rank=")[1]) for item in schedule.split(",")}
+    lost = [int(item.split("rank=")[1]) for item in schedule.split(",")]
     started = _launchers_started(cfg)
-    for node in range(nodes):  # the lost nodes were replaced once; every other launcher ran from start to end
-        assert started[node] == (2 if node in lost else 1), started
+    for node in range(nodes):  # each lost node was replaced once per loss; every other launcher ran start to end
+        assert started[node] == 1 + lost.count(node), started
     log = RunDir(cfg.run_dir).train_log.read_text()
     assert "its replacement starts (same node index, empty node memory)" in log
 
@@ -85,7 +87,7 @@ def test_a_replacement_that_never_comes_restarts_the_whole_job_from_fsx(tmp_path
                           "--resilience.store_timeout_seconds=4")
     result = run_local_training(cfg, token_dir)
 
-    assert result["steps"] == 8
+    assert result["steps"] == 12
     assert _losses(cfg) == clean_losses[2]
     [recovery] = read_events(cfg.run_dir, "recovery")
     assert recovery["mechanism"] == "job_restart"
