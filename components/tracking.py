@@ -348,3 +348,16 @@ class Tracker:
         if op["run"] != PARENT and PARENT not in state["runs"]:
             return "the pipeline's parent run"
         return None
+
+
+TRAIN_RUN = "train"  # the train step's spool key (one MLflow run per pipeline run: components.train.step)
+
+
+def checkpoint_model_name(step: int) -> str:
+    """The name of a checkpoint's LoggedModel (the validate step makes it, the evaluate step adds its metrics)."""
+    return f"step-{step:06d}"
+
+
+def checkpoint_model_run(run_dir: Path, own_run: str) -> str:
+    """The run a checkpoint's LoggedModel belongs to: the train run of this pipeline run, when it trained here."""
+    return TRAIN_RUN if RunDir(run_dir).step_result(TRAIN_RUN).is_file() else own_run

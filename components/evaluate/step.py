@@ -14,10 +14,10 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 
 from components import tracking
+from components.tracking import checkpoint_model_name, checkpoint_model_run
 from components.context import step_context, write_step_result
 from components.evaluate.promotion import GateDecision, promote_if_better
 from components.mlflow_server import is_outage
-from components.validate.step import checkpoint_model_name, model_run
 from trainer.checkpoint.export_store import ExportIncomplete, read_marker
 from trainer.checkpoint.format import MANIFEST
 from trainer.config import Config
@@ -65,7 +65,7 @@ def run_evaluate(cfg: Config, checkpoint: str) -> dict[str, Any]:
             figures.update({f"champion_{k}": v for k, v in task_metrics(champion.get("tasks", {})).items()})
         mlflow.log_metrics(run, [{"step": step, **figures}])
         export = record["export"]
-        mlflow.logged_model(model_run(cfg, run), checkpoint_model_name(step), step, metrics=figures,
+        mlflow.logged_model(checkpoint_model_run(cfg.run_dir, run), checkpoint_model_name(step), step, metrics=figures,
                             tags={"export_uri": export["uri"] if export.get("complete") else "",
                                   "eval_windows": record["windows"]}, ready=bool(export.get("complete")))
         if candidate.get("generations"):
@@ -101,7 +101,7 @@ def _promotion_gate(cfg: Config, mlflow: tracking.Tracker, run: str, checkpoint:
                     step: int) -> dict[str, Any]:
     """The registry side needs the tracking server now: without it the decision is deferred, not guessed."""
     candidate_loss = record["candidate"]["heldout_loss"]
-    run_id = mlflow.run_id(model_run(cfg, run))
+    run_id = mlflow.run_id(checkpoint_model_run(cfg.run_dir, run))
     if run_id is None:
         why = (f"MLflow at {cfg.tracking_uri} is unreachable, so the champion cannot be read" if mlflow.pending()
                else f"MLflow refused this run's records (see {mlflow.rejected_path})")
@@ -116,7 +116,7 @@ def _promotion_gate(cfg: Config, mlflow: tracking.Tracker, run: str, checkpoint:
         decision = promote_if_better(
             MlflowClient(cfg.tracking_uri), model_name=cfg.eval.registered_model_name,
             threshold=cfg.eval.promotion_threshold, record=record, run_id=run_id,
-            model_id=mlflow.model_id(model_run(cfg, run), checkpoint_model_name(step)),
+            model_id=mlflow.model_id(checkpoint_model_run(cfg.run_dir, run), checkpoint_model_name(step)),
             tags={"pipeline_run_id": cfg.run.run_id, "checkpoint": checkpoint, "step": str(step)},
             champion_missing=cfg.eval.champion_missing, wait_seconds=cfg.eval.promotion_wait_seconds)
     except Exception as err:  # noqa: BLE001 - only outages are deferred; everything else fails the step

@@ -25,7 +25,6 @@ from components.stage.staging import STAGE_MANIFEST, make_folder, previous_objec
 from trainer.config import Config
 from trainer.config.tree import STAGED_FILES
 from trainer.data.tokenizer import TokenizerError, load_tokenizer
-from trainer.model.base import BASE_INDEX, check_tokenizer_fits, index_base_weights, read_base_config, read_index
 from trainer.run.run_dir import write_json
 
 log = logging.getLogger(__name__)
@@ -57,6 +56,10 @@ def stage_model(cfg: Config, uri: str, field: str, *, weights: bool, fsx=None) -
         staged.pop("files")
         record = {**staged, "kind": "model" if weights else "tokenizer", "field": field, "dir": str(files_dir)}
         if weights:
+            # torch and transformers (a meta build checks the shapes): only where a base model is staged, so the
+            # stage steps of a run without one start without them (~4 s of imports each)
+            from trainer.model.base import BASE_INDEX, index_base_weights, read_base_config, read_index
+
             config = read_base_config(files_dir)
             index = index_base_weights(files_dir, config, read_index(folder / BASE_INDEX))
             write_json(folder / BASE_INDEX, index)
@@ -94,4 +97,6 @@ def check_tokenizer(cfg: Config) -> None:
         return
     if cfg.tokenizer_follows_model and not (Path(cfg.tokenizer_spec) / "tokenizer.json").is_file():
         raise_no_tokenizer(cfg, cfg.model.init_from, Path(cfg.tokenizer_spec))
+    from trainer.model.base import check_tokenizer_fits  # torch and transformers: only with a base model
+
     check_tokenizer_fits(load_tokenizer(cfg.tokenizer_spec), base)

@@ -8,21 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from components.context import step_context, write_step_result
+from components.tracking import checkpoint_model_name, checkpoint_model_run
 from components.validate.checks import check_checkpoint
 from trainer.config import Config
-from trainer.run.run_dir import RunDir
-
-TRAIN_RUN = "train"  # the train step's spool key (one MLflow run per pipeline run: components.train.step)
-
-
-def checkpoint_model_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def model_run(cfg: Config, own_run: str) -> str:
-    """The run a checkpoint's LoggedModel belongs to: the train run of this pipeline run, when it trained here."""
-    return TRAIN_RUN if RunDir(cfg.run_dir).step_result(TRAIN_RUN).is_file() else own_run
-
 
 def run_validate(cfg: Config, checkpoint: str) -> dict[str, Any]:
     with step_context(cfg, "validate") as (mlflow, run):
@@ -30,7 +18,7 @@ def run_validate(cfg: Config, checkpoint: str) -> dict[str, Any]:
         mlflow.log_metrics(run, [{
             "step": report["step"], "checkpoint_bytes": report["bytes"], "checkpoint_files": report["files"],
             "validate_stream_seconds": report["stream_seconds"], "checks_passed": report["num_checks"]}])
-        mlflow.logged_model(model_run(cfg, run), checkpoint_model_name(report["step"]), report["step"],
+        mlflow.logged_model(checkpoint_model_run(cfg.run_dir, run), checkpoint_model_name(report["step"]), report["step"],
                             params={"checkpoint": checkpoint, "step": str(report["step"]),
                                     "world_size": str(report["world_size"])},
                             tags={"validated": "true", "checks_passed": ",".join(report["checks_passed"])},

@@ -309,3 +309,19 @@ def test_the_fork_server_entry_point_starts_and_serves(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+# Each task of a pipeline run is a fresh process (a pod on EKS): the steps that touch no tensor start without torch
+# and transformers (~4 s of imports each on 2 cores). The stage steps bring them in only to stage a base model.
+LIGHT_STEPS = ["components.prepare.step", "components.stage.step", "components.evaluate.step",
+               "components.finalize.step"]
+
+
+def test_the_steps_that_touch_no_tensor_import_no_torch():
+    code = ("import importlib, sys\n"
+            f"for name in {LIGHT_STEPS!r}:\n"
+            "    importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m in ('torch', 'transformers')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
