@@ -13,13 +13,14 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from components.train.local import job_processes, run_local_training
 from tests.launch import start_launcher
 from trainer.checkpoint.format import committed_checkpoints, verify_checkpoint
-from trainer.env import GENERATION_ENV
+from trainer.env import GENERATION_ENV, WARM_START_ENV
 from trainer.run.events import read_events
 from trainer.run.lease import RunFolderBusy, RunLease
 
@@ -48,9 +49,13 @@ def test_sigkill_of_the_launcher_leaves_no_training_process(tmp_path, token_dir,
         # Training and at least one async save under way: both ranks and their DCP writers exist.
         wait_for(lambda: read_events(cfg.run_dir, "checkpoint_committed"), 120, "a committed checkpoint")
         assert len(job_processes(token)) >= 4  # 2 ranks + 2 DCP writers (+ ft_launcher's rank monitors)
+        [fork_server_socket] = {p.environ()[WARM_START_ENV] for p in job_processes(token)
+                                if WARM_START_ENV in p.environ()}
         os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, as the OOM killer or a node agent would
         proc.wait()
         wait_for(lambda: not job_processes(token), 10, "every process of the launch to exit")
+        # what the launcher would have removed: the fork server's socket and its temporary folder
+        assert not Path(fork_server_socket).parent.exists()
         lines = len(metric_lines(cfg))
         time.sleep(3)
         assert len(metric_lines(cfg)) == lines  # nobody is still training into the run folder

@@ -17,25 +17,31 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 from trainer.env import TORCHELASTIC_RUN_ID_ENV
 
 # Set by torchrun and ft_launcher for every worker they start.
 
 
-def _watch(parent_pid: int, interval_seconds: float) -> None:
+def _watch(parent_pid: int, interval_seconds: float, before_exit: Callable[[], None] | None) -> None:
     while True:
         if os.getppid() != parent_pid:  # re-parented: the parent is gone
+            if before_exit is not None:
+                before_exit()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(interval_seconds)
 
 
-def watch_parent(parent_pid: int | None = None, interval_seconds: float = 0.2) -> None:
-    """SIGKILL this process as soon as parent_pid (default: the current parent) is no longer its parent."""
+def watch_parent(parent_pid: int | None = None, interval_seconds: float = 0.2,
+                 before_exit: Callable[[], None] | None = None) -> None:
+    """SIGKILL this process as soon as parent_pid (default: the current parent) is no longer its parent, after
+    before_exit() (what its parent would have cleaned up: a SIGKILLed parent cleans nothing)."""
     parent_pid = os.getppid() if parent_pid is None else parent_pid
     if os.getppid() != parent_pid or parent_pid == 1:  # already orphaned before the watch began
         os.kill(os.getpid(), signal.SIGKILL)
-    threading.Thread(target=_watch, args=(parent_pid, interval_seconds), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_watch, args=(parent_pid, interval_seconds, before_exit), name="parent-watch",
+                     daemon=True).start()
 
 
 def _watch_pid(pid: int, interval_seconds: float) -> None:

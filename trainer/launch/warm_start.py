@@ -15,6 +15,7 @@ launcher. The server stays single-threaded (a selector loop), so forking it is s
 
 import array
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -86,7 +87,7 @@ def run_in_fork_server(socket_path: str, argv: list[str]) -> int | None:
 def serve(socket_path: str) -> None:
     """Import the trainer once, then fork a child per request until the launcher goes."""
     importlib.import_module("trainer.job.cli")  # the point of the server: once per node, not once per worker start
-    watch_parent()  # dies with the launcher
+    watch_parent(before_exit=lambda: _remove_socket(socket_path))  # dies with the launcher
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
@@ -117,6 +118,15 @@ def serve(socket_path: str) -> None:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
+
+
+def _remove_socket(socket_path: str) -> None:
+    """The socket, and its folder once empty: a launcher removes both when it ends, a SIGKILLed one cannot (its
+    temporary folders were piling up under /tmp on a machine that runs many launches)."""
+    with contextlib.suppress(OSError):
+        os.unlink(socket_path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(socket_path))
 
 
 def _receive_one(connection: socket.socket) -> bytes:
