@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,8 @@ def manylinux(glibc_minor: int) -> list[str]:
     return [*tags, "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64"]
 
 
-def resolve(tmp_path, requirements, constraints, python: str | None = None, glibc_minor: int = 0) -> dict[str, str]:
+def start_resolving(tmp_path, requirements, constraints, python: str | None = None,
+                    glibc_minor: int = 0) -> tuple[subprocess.Popen, Path]:
     """python=None: this interpreter and platform (the pipeline image's own: Python 3.11 on Debian 12, like
     this machine). Otherwise that Python on that glibc, wheels only (pip's rule for foreign platforms)."""
     report = tmp_path / "report.json"
@@ -37,30 +39,48 @@ def resolve(tmp_path, requirements, constraints, python: str | None = None, glib
                     "--implementation", "cp"]
         for tag in manylinux(glibc_minor):
             command += ["--platform", tag]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and ("Could not fetch URL" in proc.stderr or "NewConnectionError" in proc.stderr):
-        pytest.fail(f"the package index is unreachable: {proc.stderr[-500:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), report
+
+
+def resolved(started: tuple[subprocess.Popen, Path]) -> dict[str, str]:
+    """{name: version} pip chose, once it has."""
+    proc, report = started
+    _, stderr = proc.communicate(timeout=600)
+    if proc.returncode != 0 and ("Could not fetch URL" in stderr or "NewConnectionError" in stderr):
+        pytest.fail(f"the package index is unreachable: {stderr[-500:]}")
+    assert proc.returncode == 0, stderr[-3000:]
     return {item["metadata"]["name"].lower(): item["metadata"]["version"]
             for item in json.loads(report.read_text())["install"]}
 
 
-def test_the_trainer_image_resolves_on_ngc_without_replacing_its_torch_or_pulling_kfp(tmp_path):
-    resolved = resolve(tmp_path, DOCKER / "trainer-requirements.txt", DOCKER / "trainer-base-constraints.txt",
-                       "3.12", 39)
-    assert resolved["torch"] == "2.9.0"  # the base's, as pinned
-    assert tuple(int(p) for p in resolved["nvidia-resiliency-ext"].split(".")[:2]) >= (0, 6)
+@pytest.fixture(scope="module")
+def resolutions(tmp_path_factory):
+    """Both images' resolutions, started together: each is mostly a wait on the package index (~30 s apiece)."""
+    started = {"trainer": start_resolving(tmp_path_factory.mktemp("trainer"), DOCKER / "trainer-requirements.txt",
+                                          DOCKER / "trainer-base-constraints.txt", "3.12", 39),
+               "pipeline": start_resolving(tmp_path_factory.mktemp("pipeline"), DOCKER / "pipeline-requirements.txt",
+                                           ROOT / "constraints.txt")}
+    yield started
+    for proc, _ in started.values():
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_trainer_image_resolves_on_ngc_without_replacing_its_torch_or_pulling_kfp(resolutions):
+    found = resolved(resolutions["trainer"])
+    assert found["torch"] == "2.9.0"  # the base's, as pinned
+    assert tuple(int(p) for p in found["nvidia-resiliency-ext"].split(".")[:2]) >= (0, 6)
     # replica groups: a cp312 wheel exists and installs beside the base's torch (it asks torch>=2.7)
-    assert tuple(int(p) for p in resolved["torchft"].split(".")[:2]) >= (0, 2)
-    assert "kfp" not in resolved and "mlflow" not in resolved
+    assert tuple(int(p) for p in found["torchft"].split(".")[:2]) >= (0, 2)
+    assert "kfp" not in found and "mlflow" not in found
 
 
-def test_the_pipeline_image_resolves_with_the_projects_pins(tmp_path):
+def test_the_pipeline_image_resolves_with_the_projects_pins(resolutions):
     assert sys.version_info[:2] == (3, 11)  # python:3.11-slim-bookworm
-    resolved = resolve(tmp_path, DOCKER / "pipeline-requirements.txt", ROOT / "constraints.txt")
-    assert resolved["torch"].split("+")[0] == "2.13.0"  # the CPU build, as the image installs it
-    assert {"kfp", "kfp-kubernetes", "mlflow", "psycopg2-binary", "resilient-train"} <= set(resolved)
-    assert "nvidia-resiliency-ext" in resolved
+    found = resolved(resolutions["pipeline"])
+    assert found["torch"].split("+")[0] == "2.13.0"  # the CPU build, as the image installs it
+    assert {"kfp", "kfp-kubernetes", "mlflow", "psycopg2-binary", "resilient-train"} <= set(found)
+    assert "nvidia-resiliency-ext" in found
 
 
 def test_the_dockerfiles_build_what_the_configs_and_manifests_expect():
