@@ -27,6 +27,7 @@ def test_a_straggler_is_reported_within_two_intervals_by_rank_and_node(tmp_path,
                                                                         caplog, capsys):
     cfg = training_config(tmp_path, "slow", "--training.num_steps=36", f"--resilience.straggler_interval={INTERVAL}",
                           "--faults.straggler_factor=2", "--faults.schedule=straggler@11:rank=1",
+                          "--resilience.straggler_confirm_seconds=0",  # reports a second apart: by reports alone
                           "--kubernetes.progress_interval_seconds=1")
     progress = TrainingProgress(cfg.run_dir, 36, out=__import__("sys").stdout)  # the console, from the train step's start
     run_local_training(cfg, token_dir)
@@ -125,6 +126,7 @@ def test_a_node_straggling_in_patience_reports_in_a_row_is_replaced(tmp_path, to
                           "--resilience.heartbeat_timeout=30", "--local.node_replacement_delay_seconds=2",
                           "--resilience.straggler_interval=5", "--resilience.on_straggler=replace_node",
                           "--resilience.straggler_patience=2", "--faults.straggler_factor=2",
+                          "--resilience.straggler_confirm_seconds=0",  # reports seconds apart: by reports alone
                           "--faults.schedule=straggler@4:rank=1")
     result = run_local_training(cfg, token_dir)
     assert result["steps"] == 30

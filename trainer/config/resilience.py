@@ -110,6 +110,12 @@ class ResilienceConfig:
     while, a neighbour's job on the host). Below it in fewer, the rank is a suspect in the report (its
     `suspects`), named by nobody. 1 names it in the first report."""
 
+    straggler_confirm_seconds: float = 60.0
+    """...and the seconds of training those reports must span, from the start of the first slow window: a
+    burst of contention on a shared machine (a neighbour's job, a network hiccup's catch-up) lasts seconds and can
+    cover two short windows, a slow node stays slow. With reports minutes apart (straggler_interval steps of
+    seconds each) this adds nothing; it holds back a job whose windows last seconds. 0: reports alone."""
+
     straggler_patience: int = 3
     """Reports in a row naming the same node (counted from its first slow one) before
     on_straggler=replace_node replaces it; at least straggler_confirm_reports."""
@@ -229,6 +235,7 @@ class ResilienceConfig:
         require(self.straggler_interval >= 0, "resilience.straggler_interval", "must be >= 0 (0: off)")
         require(0 < self.straggler_threshold <= 1, "resilience.straggler_threshold", "must be in (0, 1]")
         require(self.straggler_confirm_reports >= 1, "resilience.straggler_confirm_reports", "must be >= 1")
+        require(self.straggler_confirm_seconds >= 0, "resilience.straggler_confirm_seconds", "must be >= 0 (0: reports alone)")
         require(self.straggler_patience >= self.straggler_confirm_reports, "resilience.straggler_patience",
                 f"must be >= resilience.straggler_confirm_reports ({self.straggler_confirm_reports}): a node is "
                 "replaced only once it is named a straggler")

@@ -14,8 +14,9 @@ median ("relative") and the rank's own best median / its median now ("individual
 four sections, the portable path scores ``step``: the rank's own work in a step (data + forward_backward +
 optimizer). A rank whose relative ``step`` score (or GPU score) is below ``resilience.straggler_threshold`` is
 slow; its sections' scores say where. It is named a straggler once it is slow in
-``resilience.straggler_confirm_reports`` reports in a row (a straggler is persistently slower: one window's
-medians can be a process that shared its cores for a while); before that it is a suspect in the report. One
+``resilience.straggler_confirm_reports`` reports in a row spanning ``resilience.straggler_confirm_seconds`` (a
+straggler is persistently slower: one window's medians can be a process that shared its cores for a while, and
+a burst of contention can cover two windows of a few seconds); before that it is a suspect in the report. One
 section alone names nobody: it can differ between healthy
 ranks (a garbage collection, an uneven shard), while a slow node is slow in all its work. The individual
 scores are reported beside it but name no straggler either: a whole job that slows (a shared file system, a
@@ -133,6 +134,7 @@ class StragglerDetector:
         self.replace_nodes = resilience.on_straggler == "replace_node"
         self.patience = resilience.straggler_patience
         self.confirm = resilience.straggler_confirm_reports
+        self.confirm_seconds = resilience.straggler_confirm_seconds
         # One rank has no one to compare with.
         self.interval = resilience.straggler_interval if world_size > 1 else 0
         self.node = node_name()
@@ -140,6 +142,9 @@ class StragglerDetector:
         self._steps = 0
         self._step_time = 0.0  # this step's own work so far (STEP_SECTIONS)
         self._streaks: dict[str, int] = {}  # node -> reports in a row naming it (rank 0)
+        self._streak_since: dict[str, float] = {}  # node -> when the first slow window of its streak began
+        self._named: set[str] = set()  # nodes named a straggler in their current streak
+        self._window_started = time.monotonic()
         self.current = "none"  # the last report's stragglers, in a few words (the TrainJob's status)
         self._detector = self._generator = None
         # CPU time of this thread on CPU ranks: what a kernel's duration is on a GPU, the rank's own work; wall
@@ -202,6 +207,7 @@ class StragglerDetector:
         steps, self._steps = self._steps, 0
         if steps < self.interval:  # a window cut short by a restart: too few samples for a median, skipped
             self._times.clear()
+            self._window_started = time.monotonic()
             if self._detector is not None:
                 self._detector.generate_report()  # the Detector's own samples go too (a collective)
             return None
@@ -211,6 +217,7 @@ class StragglerDetector:
             report = self._generator.generate_report(self._summaries(), {})
         self._times.clear()
         found = self._judge(report, step, steps) if self.rank == 0 else None
+        self._window_started = time.monotonic()
         box = [found]
         dist.broadcast_object_list(box, src=0)
         found = box[0]
@@ -230,9 +237,16 @@ class StragglerDetector:
     def _judge(self, report: Any, step: int, steps: int) -> dict[str, Any]:
         found = {**findings(report, self.threshold, step), "steps": steps}
         slow = found["stragglers"]
-        self._streaks = {node: self._streaks.get(node, 0) + 1 for node in {s["node"] for s in slow}}
-        found["stragglers"] = [s for s in slow if self._streaks[s["node"]] >= self.confirm]
-        found["suspects"] = [s["straggler_rank"] for s in slow if self._streaks[s["node"]] < self.confirm]
+        nodes = {s["node"] for s in slow}
+        self._streaks = {node: self._streaks.get(node, 0) + 1 for node in nodes}
+        self._streak_since = {node: self._streak_since.get(node, self._window_started) for node in nodes}
+        now = time.monotonic()
+        # Once both hold they hold for the rest of the streak (both only grow): named stays named.
+        named = {node for node in nodes if self._streaks[node] >= self.confirm
+                 and now - self._streak_since[node] >= self.confirm_seconds}
+        newly_named, self._named = named - self._named, named
+        found["stragglers"] = [s for s in slow if s["node"] in named]
+        found["suspects"] = [s["straggler_rank"] for s in slow if s["node"] not in named]
         # Compact: the per-rank maps (thousands of ranks, every interval for weeks) stay out of the events;
         # each straggler's own scores are in its straggler event, every rank's in its Prometheus gauges.
         self.events.write("straggler_report", step=step, steps=steps, threshold=self.threshold, ranks=len(
@@ -240,16 +254,17 @@ class StragglerDetector:
             suspects=found["suspects"])
         for suspect in (s for s in slow if s["straggler_rank"] in found["suspects"]):
             log.info("straggler suspect: rank %d (node %s) at step %d: its work at %.2f of the fastest rank's "
-                     "(threshold %.2f) in %d report(s) in a row; named once slow in %d", suspect["straggler_rank"],
-                     suspect["node"], step, suspect["score"], self.threshold, self._streaks[suspect["node"]],
-                     self.confirm)
+                     "(threshold %.2f) in %d report(s) in a row over %.0f s; named once slow in %d over %g s",
+                     suspect["straggler_rank"], suspect["node"], step, suspect["score"], self.threshold,
+                     self._streaks[suspect["node"]], now - self._streak_since[suspect["node"]], self.confirm,
+                     self.confirm_seconds)
         for straggler in found["stragglers"]:
             streak = self._streaks[straggler["node"]]
             action = "replace_node" if self.replace_nodes and streak >= self.patience else "report"
             # a control record per streak (when it is named) and per action, not per report
-            if streak == self.confirm or action != "report":
+            if straggler["node"] in newly_named or action != "report":
                 self.events.write("straggler", step=step, consecutive_reports=streak,
-                                  first_of_streak=streak == self.confirm, action=action,
+                                  first_of_streak=straggler["node"] in newly_named, action=action,
                                   threshold=self.threshold, **straggler)
             log.warning("straggler: rank %d (node %s) at step %d: its work at %.2f of the fastest rank's (threshold "
                         "%.2f; slowest section %s at %.2f), %d report(s) in a row%s", straggler["straggler_rank"],
