@@ -55,10 +55,15 @@ def clean_losses(tmp_path_factory, token_dir, training_config):
     (3, {"node_loss@5:rank=1,node_loss@5:rank=2": ("disk", 3)}),
 ], ids=["one-at-a-time", "two-neighbours-at-once"])
 def test_a_lost_node_is_replaced_while_the_others_keep_running(tmp_path, token_dir, training_config, clean_losses,
-                                                              nodes, recoveries):
+                                                              nodes, recoveries, monkeypatch):
     schedule = ",".join(recoveries)
     cfg = training_config(tmp_path, "lost", *STEPS, f"--training.num_nodes={nodes}", f"--faults.schedule={schedule}")
+    node_tmp = tmp_path / "tmp"  # the launchers' temporary folders (each node's fork-server socket), this run's only
+    node_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(node_tmp))
     result = run_local_training(cfg, token_dir)
+    # A lost node's /tmp goes with it: no fork-server folder of a lost (or ended) node is left behind.
+    assert list(node_tmp.glob("rt-fork-*")) == []
 
     assert result["steps"] == 12
     assert _losses(cfg) == clean_losses[nodes]

@@ -15,7 +15,6 @@ launcher. The server stays single-threaded (a selector loop), so forking it is s
 
 import array
 import atexit
-import contextlib
 import importlib
 import json
 import os
@@ -28,6 +27,7 @@ import traceback
 
 from trainer.env import WARM_START_PID_ENV, WORKER_STARTED_ENV
 from trainer.launch.parent_watch import die_with_parent, watch_parent, watch_process
+from trainer.resilience.node_exit import remove_fork_server_socket
 from trainer.resilience.worker_clock import worker_started_at
 
 _FDS = 3  # stdin, stdout, stderr
@@ -87,7 +87,7 @@ def run_in_fork_server(socket_path: str, argv: list[str]) -> int | None:
 def serve(socket_path: str) -> None:
     """Import the trainer once, then fork a child per request until the launcher goes."""
     importlib.import_module("trainer.job.cli")  # the point of the server: once per node, not once per worker start
-    watch_parent(before_exit=lambda: _remove_socket(socket_path))  # dies with the launcher
+    watch_parent(before_exit=lambda: remove_fork_server_socket(socket_path))  # dies with the launcher
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
@@ -118,15 +118,6 @@ def serve(socket_path: str) -> None:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-
-
-def _remove_socket(socket_path: str) -> None:
-    """The socket, and its folder once empty: a launcher removes both when it ends, a SIGKILLed one cannot (its
-    temporary folders were piling up under /tmp on a machine that runs many launches)."""
-    with contextlib.suppress(OSError):
-        os.unlink(socket_path)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(socket_path))
 
 
 def _receive_one(connection: socket.socket) -> bytes:

@@ -4,6 +4,7 @@ the node's launcher (trainer.launch.launcher) marks each of its processes with t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -13,9 +14,19 @@ from pathlib import Path
 import psutil
 
 from trainer.env import (JOB_TOKEN_ENV, NODE_LAUNCHER_PID_ENV, NODE_RANK_ENV, NODE_STORE_ENV, NODE_TOKEN_ENV,
-                         REPLICA_GROUP_ENV)
+                         REPLICA_GROUP_ENV, WARM_START_ENV)
 
 log = logging.getLogger(__name__)
+
+
+def remove_fork_server_socket(socket_path: str) -> None:
+    """A node's fork-server socket, and its temporary folder once empty: what goes with a lost machine's /tmp,
+    and what a launcher removes when it ends. A SIGKILLed launcher or a lost node cannot (their folders piled up
+    under /tmp on a machine that runs many launches)."""
+    with contextlib.suppress(OSError):
+        os.unlink(socket_path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(socket_path))
 
 
 def kill_this_node(reason: str) -> None:
@@ -29,6 +40,8 @@ def kill_this_node(reason: str) -> None:
         os.kill(launcher, signal.SIGKILL)
     if os.environ.get(NODE_STORE_ENV):
         shutil.rmtree(Path(os.environ[NODE_STORE_ENV]), ignore_errors=True)
+    if os.environ.get(WARM_START_ENV):
+        remove_fork_server_socket(os.environ[WARM_START_ENV])
     token = os.environ[NODE_TOKEN_ENV]
     for proc in psutil.process_iter():
         with _ignore_gone():
@@ -44,7 +57,7 @@ def kill_this_group(reason: str, permanent: bool) -> None:
     group, token = os.environ.get(REPLICA_GROUP_ENV), os.environ.get(JOB_TOKEN_ENV)
     log.warning("replica group %s is lost%s (%s): every node of it goes", group,
                 " for good" if permanent else "", reason)
-    launchers, others, stores = [], [], set()
+    launchers, others, stores, sockets = [], [], set(), set()
     for proc in psutil.process_iter():
         with _ignore_gone():
             env = proc.environ()
@@ -52,11 +65,14 @@ def kill_this_group(reason: str, permanent: bool) -> None:
                 # a node's launcher is the one process of it without its launcher's pid in the environment
                 (others if NODE_LAUNCHER_PID_ENV in env else launchers).append(proc)
                 stores.update([env[NODE_STORE_ENV]] if env.get(NODE_STORE_ENV) else [])
+                sockets.update([env[WARM_START_ENV]] if env.get(WARM_START_ENV) else [])
     for proc in launchers + others:
         with _ignore_gone():
             proc.kill()
     for store in stores | ({os.environ[NODE_STORE_ENV]} if os.environ.get(NODE_STORE_ENV) else set()):
         shutil.rmtree(Path(store), ignore_errors=True)
+    for socket_path in sockets | ({os.environ[WARM_START_ENV]} if os.environ.get(WARM_START_ENV) else set()):
+        remove_fork_server_socket(socket_path)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
