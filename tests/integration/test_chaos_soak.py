@@ -1,5 +1,5 @@
 """The chaos soak: the whole pipeline through the CLI, 30 faults of every loop and save type on a seeded
-schedule spread over 400 steps on 2 ranks, a hang in each start-up phase, and the MLflow tracking server killed
+schedule spread over 250 steps on 2 ranks (one every ~8 steps: a checkpoint interval and more apart), a hang in each start-up phase, and the MLflow tracking server killed
 and restarted while it trains.
 
 What a month-long job needs, in one run: every fault that training recovers from leaves the budget untouched
@@ -27,7 +27,7 @@ from trainer.run.run_dir import RunDir, read_jsonl
 
 pytestmark = pytest.mark.integration
 
-NUM_STEPS = 400
+NUM_STEPS = 250
 TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--training.seq_len=32",
             "--training.warmup_steps=5", "--training.log_every=50", "--checkpoint.interval_steps=5",
             "--local.demo_documents=200", "--eval.max_batches=4", "--eval.max_new_tokens=4",
@@ -44,10 +44,10 @@ LOOP_AND_SAVE = tuple(kind for kind in FAULT_TYPES if kind not in STARTUP_HANGS 
 
 
 def seeded_schedule(seed: int = 2026, count: int = 30) -> str:
-    """count faults of the loop and save types, every one at least twice, one every ~13 steps (a little
+    """count faults of the loop and save types, every one at least twice, one every ~8 steps (a little
     jitter), ranks drawn; the drills only rank 0 can fire (commit sub-steps) on rank 0. Then a hang in each
-    start-up phase, spread over the run: each fires in the first start after its step (a restart that one of
-    the faults before it causes)."""
+    start-up phase, spread over the run (the last with restarting faults after it): each fires in the first
+    start after its step (a restart that one of the faults before it causes)."""
     rng = random.Random(seed)
     kinds = [*LOOP_AND_SAVE, *LOOP_AND_SAVE][:count]
     kinds += rng.sample(LOOP_AND_SAVE, count - len(kinds))
@@ -58,7 +58,7 @@ def seeded_schedule(seed: int = 2026, count: int = 30) -> str:
         rank = 0 if SAVE_FAULTS.get(kind) in RANK_0_SAVE_POINTS else rng.randrange(2)
         items.append(f"{kind}@{step}:rank={rank}")
     for index, kind in enumerate(STARTUP_HANGS):
-        items.append(f"{kind}@{40 + index * 70}:rank={rng.randrange(2)}")
+        items.append(f"{kind}@{NUM_STEPS // 10 + index * (NUM_STEPS * 7 // 40)}:rank={rng.randrange(2)}")
     return ", ".join(items)
 
 
