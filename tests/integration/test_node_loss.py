@@ -3,8 +3,9 @@ rank each), a rendezvous store outside every node, and the node_loss drill killi
 launcher, its workers — and wiping its node memory. The local runner replaces the node after
 local.node_replacement_delay_seconds; the survivors keep running (the same launcher, the same node memory).
 
-Every case must train exactly what a clean run with the same number of nodes trains (bit-identical losses at
-every step, replays included). The FSx interval (3 steps) is longer than the memory interval (every step), so
+Every case must train exactly what a clean run of the same world size trains (bit-identical losses at every step,
+replays included): 2 nodes x 1 rank compute what 1 node x 2 ranks do (the same mesh, ranks and samples), so the
+session's clean reference serves 2 nodes; 3 nodes have a clean run of their own. The FSx interval (3 steps) is longer than the memory interval (every step), so
 where a recovery reads from is visible in the reloaded step.
 """
 
@@ -13,11 +14,11 @@ import pytest
 from components.train.local import run_local_training
 from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir
-from tests.metrics import losses_by_step
+from tests.metrics import STEADY, first_steps, losses_by_step
 
 pytestmark = pytest.mark.integration
 
-STEPS = ["--training.num_steps=12", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
+STEPS = [*STEADY, "--training.num_steps=12", "--checkpoint.interval_steps=3", "--resilience.heartbeat_timeout=30",
          "--training.nproc_per_node=1", "--checkpoint.peer_replica_wait=true",
          "--local.node_replacement_delay_seconds=2"]
 
@@ -33,15 +34,12 @@ def _launchers_started(cfg) -> dict[int, int]:
 
 
 @pytest.fixture(scope="module")
-def clean_losses(tmp_path_factory, token_dir, training_config):
-    losses = {}
-    for nodes in (2, 3):
-        cfg = training_config(tmp_path_factory.mktemp(f"clean{nodes}"), "clean", *STEPS, f"--training.num_nodes={nodes}",
-                              "--faults.schedule=")
-        result = run_local_training(cfg, token_dir)
-        assert result["steps"] == 12
-        losses[nodes] = _losses(cfg)
-    return losses
+def clean_losses(tmp_path_factory, token_dir, training_config, clean_reference):
+    cfg = training_config(tmp_path_factory.mktemp("clean3"), "clean", *STEPS, "--training.num_nodes=3",
+                          "--faults.schedule=")
+    result = run_local_training(cfg, token_dir)
+    assert result["steps"] == 12
+    return {2: first_steps(clean_reference, 12), 3: _losses(cfg)}
 
 
 @pytest.mark.parametrize("nodes, recoveries", [
