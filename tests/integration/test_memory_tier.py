@@ -4,6 +4,8 @@ other rank. FSx checkpoints every 3 steps (the newest before a fault at step 5 i
 step 6), so a resume from FSx would lose 2 steps.
 """
 
+from pathlib import Path
+
 import pytest
 
 from components.train.local import run_local_training
@@ -58,8 +60,7 @@ def test_a_fault_resumes_from_the_nearest_copy_with_bit_identical_losses(tmp_pat
         assert "does not match its checksum" in RunDir(cfg.run_dir).train_log.read_text()
 
 
-def test_a_launch_removes_its_node_memory_when_it_ends(tmp_path, token_dir, training_config):
-    cfg = training_config(tmp_path, "tidy", "--training.num_steps=2", "--checkpoint.interval_steps=2")
-    run_local_training(cfg, token_dir)
-    root = tmp_path / "node-memory" / "tidy"
+def test_a_launch_removes_its_node_memory_when_it_ends(trained_run):
+    cfg, _ = trained_run  # a clean launch that copied its state to node memory every step
+    root = Path(cfg.checkpoint.memory_dir) / cfg.run.run_id
     assert root.is_dir() and list(root.iterdir()) == []
