@@ -110,20 +110,6 @@ def test_a_cut_shorter_than_the_timeouts_costs_no_restart(tmp_path, token_dir, t
     assert [a["fault_key"] for a in read_events(cfg.run_dir, "fault_absorbed")] == list(SHORT_CUTS)
 
 
-def test_a_flapping_link_costs_at_most_one_recovery_per_flap(tmp_path, token_dir, training_config, clean_losses):
-    cfg = _run(tmp_path, training_config, token_dir, "flap", "flap@4:node=1:times=3")
-
-    assert _losses(cfg) == clean_losses
-    cuts = [f["key"] for f in read_events(cfg.run_dir, "fault")]
-    assert cuts == [f"flap@4:node=1:times=3#{n}" for n in (1, 2, 3)]
-    recoveries = read_events(cfg.run_dir, "recovery")
-    assert len(recoveries) <= len(cuts)
-    # Every cut has its record: a recovery that names it, or absorbed without a restart.
-    answered = {k for r in recoveries for k in r["fault_keys"]}
-    answered |= {a["fault_key"] for a in read_events(cfg.run_dir, "fault_absorbed")}
-    assert answered == set(cuts)
-
-
 def test_nothing_is_left_after_the_runner_is_killed(tmp_path):
     """SIGKILL the runner mid-training: its nodes die with it (each watches its parent), and the keeper it started
     removes every namespace, link and hosts file of the launch."""
@@ -210,16 +196,20 @@ def test_a_cut_off_replica_group_is_replaced_and_heals_from_the_live_one(tmp_pat
 
 def test_the_soak_in_network_namespaces(tmp_path, token_dir, training_config, clean_losses):
     """Process faults and network faults in one run of the same shape: a SIGKILL, a node cut off for good, a
-    flapping link, the store away for 2 s, a node lost whole. Every fault has its record, no give-up, losses
-    bit-identical to the clean run, nothing left behind."""
-    schedule = ("sigkill@5:rank=1,partition@9:node=1,flap@14:node=0:times=2,partition_store@19:seconds=2,"
+    link flapping 3 times, the store away for 2 s, a node lost whole. Every fault has its record, no give-up,
+    losses bit-identical to the clean run, nothing left behind; a flapping link costs at most one recovery per
+    flap."""
+    schedule = ("sigkill@5:rank=1,partition@9:node=1,flap@14:node=1:times=3,partition_store@19:seconds=2,"
                 "node_loss@22:rank=0")
     cfg = _run(tmp_path, training_config, token_dir, "soak", schedule)
 
     assert _losses(cfg) == clean_losses
     keys = [f["key"] for f in read_events(cfg.run_dir, "fault")]
     assert {k.split("#")[0] for k in keys} == set(schedule.split(","))
-    answered = {k for r in read_events(cfg.run_dir, "recovery") for k in r["fault_keys"]}
+    recoveries = read_events(cfg.run_dir, "recovery")
+    answered = {k for r in recoveries for k in r["fault_keys"]}
     answered |= {a["fault_key"] for a in read_events(cfg.run_dir, "fault_absorbed")}
     assert set(keys) <= answered
-    assert len([k for k in keys if k.startswith("flap")]) == 2
+    flaps = [k for k in keys if k.startswith("flap")]
+    assert flaps == [f"flap@14:node=1:times=3#{n}" for n in (1, 2, 3)]
+    assert len([r for r in recoveries if set(r["fault_keys"]) & set(flaps)]) <= len(flaps)
