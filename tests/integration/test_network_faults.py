@@ -60,41 +60,6 @@ def _writes_after(cfg, node: int, generation: int, since: float) -> list[dict]:
             and e["time"] > since]
 
 
-def test_a_node_cut_off_is_replaced_fenced_and_does_not_rejoin_when_its_link_comes_back(
-        tmp_path, token_dir, training_config, clean_losses):
-    """The link comes back 15 s after the cut: after node 1 declared itself lost (4 s without the store, its launcher
-    stopped 2 s later at most) and its replacement took over, so the old namespace returns to a job that already
-    has a node 1."""
-    cfg = _run(tmp_path, training_config, token_dir, "cut", "partition@4:node=1:seconds=15")
-
-    assert _losses(cfg) == clean_losses
-    [fault] = read_events(cfg.run_dir, "fault")
-    assert fault["key"] == "partition@4:node=1:seconds=15" and fault["rank"] is None and fault["node"] == 1
-    # The detector: node 1's own launcher, cut off from the store, exited 46.
-    [lost] = read_events(cfg.run_dir, "node_lost")
-    assert lost["node"] == 1 and lost["exit_code"] == 46 and lost["detector"] == "store_timeout"
-    [recovery] = read_events(cfg.run_dir, "recovery")
-    assert recovery["fault_keys"] == [fault["key"]] and "node 1 was cut off from the job's network" in recovery["cause"]
-    # Node 1's state from its replica on node 0 — or, when the cut fell while that step's replica was in flight,
-    # every rank from the FSx checkpoint before it (the memory tier restores a step every rank holds).
-    assert recovery["reload_source"] in ("peer", "disk") and recovery["reloaded_step"] >= 3
-    assert recovery["mechanism"] in ("ft_launcher", "node_replacement")
-    # The fence: the replacement claimed node 1 (generation 2); nothing of the first node 1 was written after that.
-    claim = read_json(RunDir(cfg.run_dir).node_fence(1))
-    assert claim["generation"] == 2
-    assert _writes_after(cfg, node=1, generation=1, since=claim["since"]) == []
-    samples = read_jsonl(RunDir(cfg.run_dir).system_samples)  # the launcher's own writes
-    assert [s for s in samples if s["node"] == "node-1" and s.get("node_generation") == 1
-            and s["time"] > claim["since"]] == []
-    assert any(s["node"] == "node-1" and s.get("node_generation") == 2 for s in samples)
-    # The link came back after the replacement: the old node did not come back as a second node 1.
-    [restored] = read_events(cfg.run_dir, "link_restored")
-    assert restored["replaced"] is True and restored["time"] > claim["since"] > lost["time"] - 1
-    log = RunDir(cfg.run_dir).train_log.read_text()
-    assert log.count("[nodes] node 1 started") == 2 and log.count("[nodes] node 0 started") == 1
-    assert "exits 46 to be replaced" in log
-
-
 # A node's link down 2 s (TCP retransmits, the collective completes late), then the store away 2 s (below
 # store_timeout_seconds, nobody declares anything): each absorbed on its own, in one run.
 SHORT_CUTS = ("partition@4:node=1:seconds=2", "partition_store@14:seconds=2")
@@ -194,17 +159,24 @@ def test_a_cut_off_replica_group_is_replaced_and_heals_from_the_live_one(tmp_pat
     assert job_processes(str(cfg.run_dir), RUN_DIR_ENV) == []
 
 
+CUT = "partition@9:node=1:seconds=15"
+
+
 def test_the_soak_in_network_namespaces(tmp_path, token_dir, training_config, clean_losses):
-    """Process faults and network faults in one run of the same shape: a SIGKILL, a node cut off for good, a
-    link flapping 3 times, the store away for 2 s, a node lost whole. Every fault has its record, no give-up,
-    losses bit-identical to the clean run, nothing left behind; a flapping link costs at most one recovery per
-    flap."""
-    schedule = ("sigkill@5:rank=1,partition@9:node=1,flap@14:node=1:times=3,partition_store@19:seconds=2,"
-                "node_loss@22:rank=0")
+    """Process faults and network faults in one run of the same shape: a SIGKILL, node 1 cut off for 15 s, its
+    replacement's link flapping 3 times, the store away for 2 s, node 0 lost whole. Every fault has its record, no
+    give-up, losses bit-identical to the clean run, nothing left behind; a flapping link costs at most one recovery
+    per flap.
+
+    The cut: its link comes back 15 s after it, after node 1 declared itself lost (4 s without the store, its
+    launcher stopped 2 s later at most) and its replacement took over, so the old namespace returns to a job that
+    already has a node 1: replaced, fenced, and not back as a second node 1."""
+    schedule = f"sigkill@5:rank=1,{CUT},flap@14:node=1:times=3,partition_store@19:seconds=2,node_loss@22:rank=0"
     cfg = _run(tmp_path, training_config, token_dir, "soak", schedule)
 
     assert _losses(cfg) == clean_losses
-    keys = [f["key"] for f in read_events(cfg.run_dir, "fault")]
+    faults = read_events(cfg.run_dir, "fault")
+    keys = [f["key"] for f in faults]
     assert {k.split("#")[0] for k in keys} == set(schedule.split(","))
     recoveries = read_events(cfg.run_dir, "recovery")
     answered = {k for r in recoveries for k in r["fault_keys"]}
@@ -213,3 +185,31 @@ def test_the_soak_in_network_namespaces(tmp_path, token_dir, training_config, cl
     flaps = [k for k in keys if k.startswith("flap")]
     assert flaps == [f"flap@14:node=1:times=3#{n}" for n in (1, 2, 3)]
     assert len([r for r in recoveries if set(r["fault_keys"]) & set(flaps)]) <= len(flaps)
+
+    # The cut. Its detector: node 1's own launcher, cut off from the store, exited 46 (the only node that did).
+    [cut] = [f for f in faults if f["key"] == CUT]
+    assert cut["rank"] is None and cut["node"] == 1
+    [lost] = [e for e in read_events(cfg.run_dir, "node_lost") if e["detector"] == "store_timeout"]
+    assert lost["node"] == 1 and lost["exit_code"] == 46
+    [recovery] = [r for r in recoveries if CUT in r["fault_keys"]]
+    assert "node 1 was cut off from the job's network" in recovery["cause"]
+    # Node 1's state from its replica on node 0 — or, when the cut fell while that step's replica was in flight,
+    # every rank from the FSx checkpoint before it (the memory tier restores a step every rank holds).
+    assert recovery["reload_source"] in ("peer", "disk") and recovery["reloaded_step"] >= 6
+    assert recovery["mechanism"] in ("ft_launcher", "node_replacement")
+    # The fence: the replacement claimed node 1 (generation 2; its flaps restart workers, not the node); nothing of
+    # the first node 1 was written after that.
+    claim = read_json(RunDir(cfg.run_dir).node_fence(1))
+    assert claim["generation"] == 2
+    assert _writes_after(cfg, node=1, generation=1, since=claim["since"]) == []
+    samples = read_jsonl(RunDir(cfg.run_dir).system_samples)  # the launcher's own writes
+    assert [s for s in samples if s["node"] == "node-1" and s.get("node_generation") == 1
+            and s["time"] > claim["since"]] == []
+    assert any(s["node"] == "node-1" and s.get("node_generation") == 2 for s in samples)
+    # The link came back after the replacement: the old node did not come back as a second node 1.
+    [restored] = [e for e in read_events(cfg.run_dir, "link_restored") if e["key"] == CUT]
+    assert restored["replaced"] is True and restored["time"] > claim["since"] > lost["time"] - 1
+    log = RunDir(cfg.run_dir).train_log.read_text()
+    # node 1 replaced once (the cut), node 0 once (its loss at 22)
+    assert log.count("[nodes] node 1 started") == 2 and log.count("[nodes] node 0 started") == 2
+    assert "exits 46 to be replaced" in log
