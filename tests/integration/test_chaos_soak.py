@@ -1,11 +1,11 @@
-"""The chaos soak: the whole pipeline through the CLI, 30 faults of every loop and save type on a seeded
-schedule spread over 250 steps on 2 ranks (one every ~8 steps: a checkpoint interval and more apart), a hang in each start-up phase, and the MLflow tracking server killed
-and restarted while it trains.
+"""The chaos soak: the whole pipeline through the CLI, 30 faults of every loop and save type on a seeded schedule
+spread over 250 steps on 2 ranks (one every ~8 steps: a checkpoint interval and more apart), a hang in each start-up
+phase, and the MLflow tracking server killed and restarted while it trains.
 
 What a month-long job needs, in one run: every fault that training recovers from leaves the budget untouched
-(trainer.resilience.budget); every loss is bit-identical to a clean run's; every fault has a record; MLflow
-shows the training while it runs, and after the outage holds exactly one point per metrics.jsonl line with
-nothing pending or refused; no process outlives the run."""
+(trainer.resilience.budget); every loss is bit-identical to a clean run's; every fault has a record; MLflow shows
+the training while it runs, and after the outage holds exactly one point per metrics.jsonl line with nothing pending
+or refused; no process outlives the run."""
 
 import contextlib
 import json

@@ -1,12 +1,12 @@
-"""A node lost without a job restart, with real processes: training.num_nodes launchers on this machine (one
-rank each), a rendezvous store outside every node, and the node_loss drill killing a whole node — its
-launcher, its workers — and wiping its node memory. The local runner replaces the node after
-local.node_replacement_delay_seconds; the survivors keep running (the same launcher, the same node memory).
+"""A node lost without a job restart, with real processes: training.num_nodes launchers on this machine (one rank
+each), a rendezvous store outside every node, and the node_loss drill killing a whole node — its launcher, its
+workers — and wiping its node memory. The local runner replaces the node after local.node_replacement_delay_seconds;
+the survivors keep running (the same launcher, the same node memory).
 
 Every case must train exactly what a clean run of the same world size trains (bit-identical losses at every step,
 replays included): 2 nodes x 1 rank compute what 1 node x 2 ranks do (the same mesh, ranks and samples), so the
-session's clean reference serves 2 nodes; 3 nodes have a clean run of their own. The FSx interval (3 steps) is longer than the memory interval (every step), so
-where a recovery reads from is visible in the reloaded step.
+session's clean reference serves 2 nodes; 3 nodes have a clean run of their own. The FSx interval (3 steps) is
+longer than the memory interval (every step), so where a recovery reads from is visible in the reloaded step.
 """
 
 import pytest

@@ -11,7 +11,10 @@ begun before data phases resumes in) reproduced 9a17704's fixture bit for bit in
 
 The runs print their launchers' output too: losses.json is the last JSON object of `out`. It was made again at
 9a17704 with the CPU kernels pinned to baseline x86-64 instructions (ENV below, recorded as `env`; the test sets
-the same): the losses of unpinned kernels depend on the host's CPU in their last bits.
+the same): the losses of unpinned kernels depend on the host's CPU in their last bits. Pinned, an AMD EPYC host
+still computed three 1x2 losses 1 ulp off the figures made on the earlier sessions' host, with 3c00563's code as
+with today's: its run of this script at 3c00563 is `losses_on_cpu["AuthenticAMD"]` (the test takes the figures of
+its host's vendor where the fixture has them; `cpu_vendor` below is printed for that).
 """
 import json
 import os
@@ -51,6 +54,8 @@ for shape, flags in SHAPES.items():
     run_local_training(cfg, work / "tokens")
     losses[shape] = {str(r["step"]): r["loss"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")}
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-print(json.dumps({"commit": commit, "torch": version("torch"), "transformers": version("transformers"),
+vendor = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+print(json.dumps({"commit": commit, "cpu_vendor": vendor, "torch": version("torch"),
+                  "transformers": version("transformers"),
                   "settings": FAST + ["--training.num_steps=8", "--checkpoint.interval_steps=4"], "env": ENV,
                   "losses": losses}, indent=1))
