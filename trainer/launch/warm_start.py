@@ -15,6 +15,7 @@ launcher. The server stays single-threaded (a selector loop), so forking it is s
 
 import array
 import atexit
+import gc
 import importlib
 import json
 import os
@@ -85,7 +86,13 @@ def run_in_fork_server(socket_path: str, argv: list[str]) -> int | None:
 
 
 def serve(socket_path: str) -> None:
-    """Import the trainer once, then fork a child per request until the launcher goes."""
+    """Import the trainer once, then fork a child per request until the launcher goes.
+
+    The garbage collector stays off in the server, as CPython's gc.freeze documents for a process that forks
+    without exec: the import allocates ~10^6 objects that live as long as the server, so collecting them while
+    importing is wasted (~0.5 s of the ~6 s import on the critical path of every launch), and frozen before each
+    fork they are never scanned by a child's collections (nor their pages copied by them)."""
+    gc.disable()
     importlib.import_module("trainer.job.cli")  # the point of the server: once per node, not once per worker start
     watch_parent(before_exit=lambda: remove_fork_server_socket(socket_path))  # dies with the launcher
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,6 +162,7 @@ def _fork_child(connection: socket.socket, listener: socket.socket) -> int | Non
     request = json.loads(payload)
     sys.stdout.flush()
     sys.stderr.flush()
+    gc.freeze()
     pid = os.fork()
     if pid == 0:
         listener.close()
@@ -168,6 +176,7 @@ def _fork_child(connection: socket.socket, listener: socket.socket) -> int | Non
 def _run_child(request: dict, fds: list[int], connection: socket.socket) -> None:
     code = 1
     try:
+        gc.enable()  # the worker collects its own garbage as any process does; the server's is frozen
         connection.close()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
