@@ -190,4 +190,4 @@ def test_a_checkpoint_with_every_parameter_decayed_resumes_into_the_no_decay_gro
     assert result["steps"] == 6 and result["steps_this_launch"] == 2
     resumes = read_events(after.run_dir, "resume")
     assert (resumes[-1]["step"], resumes[-1]["source"]) == (4, "disk")
-    assert "AdamW (default): 22 parameter tensors decayed, 8 not" in (after.run_dir / "train.log").read_text()
+    assert "AdamW (foreach): 22 parameter tensors decayed, 8 not" in (after.run_dir / "train.log").read_text()

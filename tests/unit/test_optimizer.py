@@ -87,3 +87,16 @@ def test_the_no_decay_groups_hold_the_parameters_they_name():
 
     every = build_optimizer(model, TrainingConfig(weight_decay=0.1), OptimizerConfig(no_decay=[]), CPU)
     assert [group["weight_decay"] for group in every.param_groups] == [0.1]
+
+
+def test_the_cpus_auto_implementation_trains_what_the_for_loop_trains_bit_for_bit():
+    """auto on the CPU is foreach, for its fewer dispatches; the values must be the for-loop's (torch's default
+    for FSDP2's DTensor parameters, what tests/data/r1-today's figures were trained with)."""
+    models = [_model(), _model()]
+    optimizers = [build(models[0], "auto", ("bias",)), build(models[1], "for_loop", ("bias",))]
+    assert optimizers[0].defaults["foreach"] is True and optimizers[1].defaults["foreach"] is False
+    for _ in range(5):
+        for model, optimizer in zip(models, optimizers):
+            _train_step(model, optimizer)
+    for a, b in zip(*(model.parameters() for model in models)):
+        assert torch.equal(a, b)

@@ -194,7 +194,8 @@ class OptimizerConfig:
 
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
     """fused: one kernel per parameter group (CUDA, and the CPU); foreach: batched per group; for_loop: a
-    parameter at a time. auto: fused on CUDA, torch's own default on the CPU (the path the CPU tests compare)."""
+    parameter at a time. auto: fused on CUDA, foreach on the CPU (the path the CPU tests compare; the for-loop's
+    values bit for bit)."""
 
     no_decay: list[str] = field(default_factory=lambda: ["norm", "bias", "embed_tokens"])
     """Parameters whose name contains any of these are not weight-decayed (norms, biases and the embeddings,
