@@ -19,9 +19,11 @@ from trainer.run.run_dir import RunDir
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def server(tmp_path):
-    socket_path = tmp_path / "server.sock"
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One server for the tests that ask it (each waits for the child its own request forked, and leaves none
+    behind): its ~4.5 s import once, as a node's server serves every worker start of its launcher."""
+    socket_path = tmp_path_factory.mktemp("server") / "server.sock"
     proc = subprocess.Popen([sys.executable, "-m", "trainer.warm_start", str(socket_path)])
     try:
         assert wait_until_serving(str(socket_path), timeout=120)
@@ -37,17 +39,30 @@ def _client(socket_path, *args, env: dict[str, str] | None = None, **kwargs) -> 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
+def _new_child(proc, before: set[int]) -> psutil.Process:
+    """The server's one child that is not in `before` (the children it had when the request was made)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new = [child for child in psutil.Process(proc.pid).children() if child.pid not in before]
+        if new:
+            [child] = new
+            return child
+        time.sleep(0.05)
+    raise AssertionError("the server forked no child for the request within 60 s")
+
+
+def _children(proc) -> set[int]:
+    return {child.pid for child in psutil.Process(proc.pid).children()}
+
+
 def _hanging_trainer(proc, socket_path, tmp_path, token_dir, training_config):
     """A worker whose trainer hangs at step 2, and that trainer (the server's child)."""
     cfg = training_config(tmp_path, "warm", "--training.num_steps=50", "--faults.schedule=hang@2",
                           "--checkpoint.memory_interval_steps=0")
     config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
+    before = _children(proc)
     client = _client(socket_path, "--config", str(config), "--data-dir", str(token_dir))
-    deadline = time.monotonic() + 60
-    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    [child] = psutil.Process(proc.pid).children()
-    return client, child
+    return client, _new_child(proc, before)
 
 
 def test_the_worker_runs_in_the_server_with_its_own_arguments_output_and_exit_status(server, tmp_path):
@@ -140,6 +155,7 @@ def test_a_worker_killed_before_it_read_its_trainers_pid_leaves_the_server_servi
     cfg = training_config(tmp_path, "unread", "--training.num_steps=50", "--faults.schedule=hang@2",
                           "--checkpoint.memory_interval_steps=0")
     config = RunDir(cfg.run_dir).write_config(cfg.to_yaml())
+    before = _children(proc)
     client = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
     client.connect(str(socket_path))
     request = json.dumps({"argv": ["--config", str(config), "--data-dir", str(token_dir)], "env": dict(os.environ),
@@ -148,10 +164,7 @@ def test_a_worker_killed_before_it_read_its_trainers_pid_leaves_the_server_servi
         fds = array.array("i", [null.fileno()] * 3)
         client.sendmsg([len(request).to_bytes(8, "big")], [(sockets.SOL_SOCKET, sockets.SCM_RIGHTS, fds)])
         client.sendall(request)
-    deadline = time.monotonic() + 60
-    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    [child] = psutil.Process(proc.pid).children()
+    child = _new_child(proc, before)
     time.sleep(0.5)  # the pid line has arrived, unread
     client.close()  # the client's end goes with unread data: ECONNRESET on the server's side
     gone, alive = psutil.wait_procs([child], timeout=10)
