@@ -28,8 +28,11 @@ from trainer.run.run_dir import RunDir, read_jsonl
 pytestmark = pytest.mark.integration
 
 NUM_STEPS = 250
-TRAINING = [f"--training.num_steps={NUM_STEPS}", "--training.batch_size=4", "--training.seq_len=32",
-            "--training.warmup_steps=5", "--training.log_every=50", "--checkpoint.interval_steps=5",
+# The micro model: what is checked here is the recoveries and the records, and 500 steps of tiny's (the soak's and its
+# clean run's) cost ~50 s more.
+TRAINING = [f"--training.num_steps={NUM_STEPS}", "--model.preset=micro", "--training.batch_size=4",
+            "--training.seq_len=32", "--training.warmup_steps=5", "--training.log_every=50",
+            "--checkpoint.interval_steps=5",
             "--local.demo_documents=200", "--eval.max_batches=4", "--eval.max_new_tokens=4",
             "--resilience.heartbeat_timeout=8",
             "--resilience.initial_heartbeat_timeout=90", "--faults.slow_seconds=1",

@@ -18,6 +18,11 @@ def _llama3_rope(factor: float) -> dict[str, Any]:
 # (tests/unit/test_presets.py compares them with tests/data/<model>/config.json), its vocabulary included; the
 # others take the tokenizer's vocabulary.
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.1 M params: test runs of hundreds of steps about recoveries, not training (the chaos soak): a step on 2 CPU
+    # ranks is ~0.08 s, tiny's ~0.18 s, and a checkpoint 1/20 of tiny's.
+    "micro": dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+                  tie_word_embeddings=False),
     # A few M params: the CPU demo and the tests.
     "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=3, num_attention_heads=8,
                  num_key_value_heads=4, max_position_embeddings=512, rope_theta=10000.0,
@@ -52,7 +57,7 @@ def preset_arguments(model: "ModelConfig", tokenizer_vocab: int) -> dict[str, An
 class ModelConfig:
     """The Llama-architecture model."""
 
-    preset: Literal["tiny", "small", "llama3-1b", "llama3.1-8b"] = "tiny"
+    preset: Literal["micro", "tiny", "small", "llama3-1b", "llama3.1-8b"] = "tiny"
     """Architecture preset (layer count and widths) for training from scratch; see MODEL_PRESETS. Ignored when
     init_from is set: the base model's config.json gives its dimensions."""
 
