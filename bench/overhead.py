@@ -44,7 +44,7 @@ def bare_loop(args: argparse.Namespace) -> None:
     from trainer.data.shards import load_meta
     from trainer.data.tokenizer import load_tokenizer
     from trainer.job.step import clip, forward_backward
-    from trainer.model.llama import build_model, llama_config_of
+    from trainer.model.build import build_model, model_config_of
     from trainer.model.optimizer import build_optimizer
     from trainer.model.parallelize import device_mesh, parallelize
     from trainer.resilience.numerics import NumericDrills
@@ -55,7 +55,7 @@ def bare_loop(args: argparse.Namespace) -> None:
     torch.set_num_threads(cfg.training.num_threads)
     device = torch.device("cpu")
     meta = load_meta(args.data_dir)
-    config = llama_config_of(cfg.model, None, load_tokenizer(meta["tokenizer"]))
+    config = model_config_of(cfg.model, None, load_tokenizer(meta["tokenizer"]))
     model = parallelize(build_model(config, cfg.run.seed), cfg.training, device, device_mesh(cfg.training, world, device))
     optimizer = build_optimizer(model, cfg.training, cfg.optimizer, device)
     t = cfg.training

@@ -5,7 +5,7 @@ counters, ranks reading in turn from a cold page cache (as if each were a node o
 
 - ``new``: the trainer's path (trainer.model.base): the model built on the meta device, sharded with FSDP2,
   materialised, then each rank's rows read through DCP's Hugging Face reader.
-- ``today``: the path before it (commit 836d549, trainer/model/llama.py load_or_build_model): every rank
+- ``today``: the path before it (commit 836d549, trainer/model/build.py load_or_build_model): every rank
   ``LlamaForCausalLM.from_pretrained(folder, dtype=float32)``, then the shards kept.
 
 Each rank evicts the model's files from the page cache (posix_fadvise DONTNEED) before its turn and reads while the
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from trainer.model.base import BaseWeightsReader, index_base_weights, load_base_weights, read_base_config
 from trainer.config import TrainingConfig
-from trainer.model.llama import build_model_on_meta, materialize_on
+from trainer.model.build import build_model_on_meta, materialize_on
 from trainer.model.parallelize import device_mesh, parallelize
 
 

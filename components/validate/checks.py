@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.checkpoint.fast_reader import FastReader
 from trainer.checkpoint.format import MANIFEST, hasher, verify_checkpoint
 from trainer.checkpoint.tensor_decode import Undecodable, decode_tensor
+from trainer.model.families import causal_lm_class, config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ class CheckpointValidationError(RuntimeError):
 
 def _expected_shapes(model_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig.from_dict(model_config))
+        config = config_from_dict(model_config)
+        model = causal_lm_class(config)._from_config(config)
     return {f"model.{name}": tuple(t.shape) for name, t in model.state_dict().items()}
 
 

@@ -59,7 +59,7 @@ def test_2_nodes_x_2_ranks_read_the_weights_once_and_a_restart_reads_node_memory
 
 @pytest.mark.parametrize("damage, message", [
     ("truncate", r"model-00002-of-0000\d.safetensors: not a valid safetensors file"),
-    ("config", r"config.json: model_type 'gpt2' is not Llama-family"),
+    ("config", r"config.json: model_type 'gpt2' is not a family this trainer builds"),
     # the corpus was tokenized with the byte tokenizer, not the model's: its BOS 256 is not the model's
     ("tokenizer", r"data.tokenizer \(byte\): its bos_token '<\|bos\|>' is id 256, but the base model "
                   r"\(model.init_from, .*config.json\) names bos_token_id 0 in config.json"),

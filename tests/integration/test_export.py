@@ -7,7 +7,7 @@ from tests.hf_serving import generate_with_plain_transformers
 from trainer.checkpoint.export import export_hf
 from trainer.checkpoint.load import load_model_from_checkpoint
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
-from trainer.model.llama import build_model_on_meta, materialize_on
+from trainer.model.build import build_model_on_meta, materialize_on
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from trainer.config import MODEL_PRESETS, TrainingConfig
-from trainer.model.llama import build_model
+from trainer.model.build import build_model
 from trainer.model.loss import IGNORE
 from trainer.model.parallelize import device_mesh, parallelize
 from trainer.resilience.numerics import NumericDrills

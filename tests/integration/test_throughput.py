@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 
 from components.train.local import run_local_training
 from trainer.config import MODEL_PRESETS, TrainingConfig
-from trainer.model.llama import build_model
+from trainer.model.build import build_model
 from trainer.model.parallelize import apply_activation_checkpointing, device_mesh, parallelize
 from trainer.resilience.numerics import NumericDrills
 from trainer.run.events import read_events

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig
 
 from trainer.config import MODEL_PRESETS
-from trainer.model.llama import build_model
+from trainer.model.build import build_model
 from trainer.observe.flops import StepFigures, model_flops_per_token, peak_of
 
 

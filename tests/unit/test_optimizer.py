@@ -70,7 +70,7 @@ def test_state_that_exists_is_left_alone():
 
 
 def test_the_no_decay_groups_hold_the_parameters_they_name():
-    from trainer.model.llama import build_model
+    from trainer.model.build import build_model
     from transformers import LlamaConfig
 
     model = build_model(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

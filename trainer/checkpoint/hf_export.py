@@ -12,7 +12,7 @@ In two passes, as torchtitan's HF checkpointing does with torch DCP's Hugging Fa
 2. DCP's ``consolidate_safetensors_files_on_every_rank`` has each rank assemble its share of the output files —
    ``model-0000i-of-0000N.safetensors`` of at most ``max_file_bytes`` each, a tensor at a time (its memory: the
    largest tensor) — and rank 0 writes ``model.safetensors.index.json``.
-Rank 0 then adds config.json (architecture LlamaForCausalLM, the export's dtype), generation_config.json and the
+Rank 0 then adds config.json (the family's architecture, LlamaForCausalLM or Qwen3ForCausalLM say, the export's dtype), generation_config.json and the
 tokenizer's files, and the sharded files are removed.
 """
 
@@ -33,9 +33,10 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import (consolidat
 from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE,
                                                     HF_DCP_VERSION, SAVED_OFFSETS_KEY)
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import GenerationConfig, LlamaConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from trainer.data.tokenizer import load_tokenizer
+from trainer.model.families import architecture_of, config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def file_layout(shapes: dict[str, tuple[tuple[int, ...], int]], max_file_bytes: 
     return layout
 
 
-def _rows(model: torch.nn.Module, config: LlamaConfig) -> dict[str, tuple[torch.Tensor, list[int], tuple[int, ...]]]:
+def _rows(model: torch.nn.Module, config: PretrainedConfig) -> dict[str, tuple[torch.Tensor, list[int], tuple[int, ...]]]:
     """Each state-dict entry's local rows on this rank (a view: no copy), their offset in the full tensor and the
     full tensor's shape; a tied head is not stored (HF convention: the embedding is the head)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
@@ -100,7 +101,7 @@ def _write_rank_file(path: Path, rows: dict[str, tuple[torch.Tensor, list[int], 
             handle.write(cast.view(-1).view(torch.uint8).numpy().data)
 
 
-def write_hf_export(model: torch.nn.Module, config: LlamaConfig, tokenizer_spec: str, folder: Path, *,
+def write_hf_export(model: torch.nn.Module, config: PretrainedConfig, tokenizer_spec: str, folder: Path, *,
                     dtype: torch.dtype = torch.bfloat16, max_file_bytes: int = 5 * 10**9,
                     threads: int = 2) -> dict[str, Any]:
     """Collective: the HF folder of `model` (FSDP2-sharded, or whole in a single process) at `folder`, written by
@@ -126,8 +127,8 @@ def write_hf_export(model: torch.nn.Module, config: LlamaConfig, tokenizer_spec:
     if rank == 0:
         shutil.rmtree(folder / SHARDED)
         exported = config.to_dict()
-        exported.update(architectures=["LlamaForCausalLM"], dtype=str(dtype).removeprefix("torch."))
-        LlamaConfig.from_dict(exported).save_pretrained(str(folder))
+        exported.update(architectures=[architecture_of(config)], dtype=str(dtype).removeprefix("torch."))
+        config_from_dict(exported).save_pretrained(str(folder))
         _generation_config(config).save_pretrained(str(folder))
         load_tokenizer(tokenizer_spec).save(folder)
     if dist.is_initialized():
@@ -141,6 +142,6 @@ def write_hf_export(model: torch.nn.Module, config: LlamaConfig, tokenizer_spec:
     return figures
 
 
-def _generation_config(config: LlamaConfig) -> GenerationConfig:
+def _generation_config(config: PretrainedConfig) -> GenerationConfig:
     return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                             pad_token_id=getattr(config, "pad_token_id", None))

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from transformers import LlamaConfig
 
 from trainer.checkpoint.fast_reader import FastReader
 from trainer.checkpoint.format import CheckpointError, Verification, verify_checkpoint
 from trainer.data.tokenizer import load_tokenizer
-from trainer.model.llama import build_model, set_special_token_ids
+from trainer.model.build import build_model, set_special_token_ids
+from trainer.model.families import config_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def load_checkpoint(state: dict[str, Any], folder: str | os.PathLike, *, no_dist
 
 
 def load_model_from_checkpoint(folder: Path, verified: Verification | None = None):
-    """An unsharded LlamaForCausalLM with the checkpoint's weights, in this one process.
+    """An unsharded model of the checkpoint's family with its weights, in this one process.
 
     Works for any world size the checkpoint was written with (DCP reshards on load). Every file's size is
     checked first and its content hash while it is read (one pass: FastReader; a passing Verification that
@@ -69,7 +69,7 @@ def load_model_from_checkpoint(folder: Path, verified: Verification | None = Non
     verified = verified or verify_checkpoint(folder, hash_files=False)
     if not verified.ok:
         raise CheckpointError("; ".join(verified.problems))
-    config = LlamaConfig.from_dict(verified.manifest["model_config"])
+    config = config_from_dict(verified.manifest["model_config"])
     model = build_model(config, seed=0)
     if verified.manifest.get("tokenizer", "byte") == "byte":
         # Checkpoints of earlier releases may carry LlamaConfig's default ids (1, 2) for the byte tokenizer's; an HF

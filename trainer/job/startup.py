@@ -43,7 +43,7 @@ from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_GENERATI
 from trainer.evaluate.evaluator import Evaluator
 from trainer.evaluate.heldout import Ranks
 from trainer.model.base import BASE_INDEX, BaseModelError, index_base_weights, read_base_config, read_index
-from trainer.model.llama import build_model, build_model_on_meta, llama_config_of, materialize_on
+from trainer.model.build import build_model, build_model_on_meta, model_config_of, materialize_on
 from trainer.model.parallelize import device_mesh, parallelize
 from trainer.model.optimizer import build_optimizer, initialize_state
 from trainer.observe import logs
@@ -131,7 +131,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     meta = load_meta(data_dir)
     base_weights = base_weights_of(cfg, rank, world_size)
     tokenizer = load_tokenizer(meta["tokenizer"])
-    model_config = llama_config_of(cfg.model, cfg.base_model_dir, tokenizer)
+    model_config = model_config_of(cfg.model, cfg.base_model_dir, tokenizer)
     # Weights that come from a checkpoint or the base model are read into each rank's shards: building (and
     # initialising) the whole model first is waste, so it is built on the meta device and only its shards get
     # memory (resume() fills them; with neither a copy nor a base model, it initialises them after all).

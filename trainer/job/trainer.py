@@ -32,7 +32,7 @@ from trainer.job.schedule import Schedule
 from trainer.job.continuation import take_up_data_phases, take_up_schedule
 from trainer.job.step import MetricsWriter, clip, forward_backward, mean_targets, step_extras, total
 from trainer.model.base import load_base_weights
-from trainer.model.llama import build_model, copy_initial_weights
+from trainer.model.build import build_model, copy_initial_weights
 from trainer.model.parallelize import local_shard
 from trainer.model.optimizer import initialize_state, optimizer_groups_of
 from trainer.observe.flops import StepFigures

@@ -1,1 +1,2 @@
-"""The neural model: the Llama build and its FSDP2 sharding (llama.py), the optimizer (optimizer.py)."""
+"""The neural model: the families a base model may be (families.py), its build (build.py) and FSDP2 sharding
+(parallelize.py), the optimizer (optimizer.py)."""

@@ -1,6 +1,6 @@
 """A base model in Hugging Face format (config.json + *.safetensors): checked once, then read shard by shard.
 
-    config = read_base_config(folder)                       # Llama-family, or a BaseModelError naming the field
+    config = read_base_config(folder)                       # a family we build, or a BaseModelError naming the field
     index = index_base_weights(folder, config)              # once per content hash: the stage step's conversion
     stats = load_base_weights(model, folder, index)         # each rank reads only its own rows (collective)
 
@@ -13,8 +13,9 @@ The load is torch DCP's with its Hugging Face reader (``HuggingFaceStorageReader
 planner): the model is built on the meta device and sharded (FSDP2: each rank holds rows of every tensor) before
 any weight exists, and DCP asks each rank's reader for exactly its rows, which are read from the file and copied
 (converted to the parameter's dtype) into the rank's shard. No rank ever holds the whole model, and the job reads
-each weight once (the reader counts the bytes). Names need no mapping: the model is transformers'
-LlamaForCausalLM, whose state dict is the checkpoint's; with tied embeddings lm_head.weight is the embedding.
+each weight once (the reader counts the bytes). Names need no mapping: the model is the family's transformers
+class (LlamaForCausalLM, Qwen3ForCausalLM, ...: trainer.model.families), whose state dict is the checkpoint's; with
+tied embeddings lm_head.weight is the embedding.
 """
 
 from __future__ import annotations
@@ -34,28 +35,29 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from trainer.config.rules import InputError
 from trainer.data.tokenizer import LoadedTokenizer
+from trainer.model.families import SUPPORTED_MODEL_TYPES, architecture_of, causal_lm_class, config_from_dict
 from trainer.run.digest import hash_file
 
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT_VERSION = 2  # 2: each tensor's byte offsets in its file
 BASE_INDEX = "weights-index.json"  # beside a staged model's hf/ folder (the stage step writes it)
-LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 class BaseModelError(InputError):
-    """model.init_from names something that is not a usable Llama-family base model; the message names the file
-    and the field."""
+    """model.init_from names something that is not a usable base model of a family we build; the message names the
+    file and the field."""
 
 
-def read_base_config(folder: Path) -> LlamaConfig:
-    """The base model's config.json as a LlamaConfig; refused, naming the field, when it is not Llama-family."""
+def read_base_config(folder: Path) -> PretrainedConfig:
+    """The base model's config.json as its family's transformers config (LlamaConfig, Qwen3Config, ...); refused,
+    naming the field, when it is not a causal LM of a family we build (trainer.model.families)."""
     path = Path(folder) / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -64,26 +66,27 @@ def read_base_config(folder: Path) -> LlamaConfig:
                              "(config.json + *.safetensors) or its S3 prefix") from None
     except (OSError, ValueError) as err:
         raise BaseModelError(f"model.init_from: {path} is not a readable JSON file ({err})") from err
-    if raw.get("model_type") != "llama":
-        raise BaseModelError(f"{path}: model_type {raw.get('model_type')!r} is not Llama-family: model.init_from "
-                             f"takes {LLAMA_ARCHITECTURE} models (model_type 'llama')")
-    architectures = raw.get("architectures") or [LLAMA_ARCHITECTURE]
-    if LLAMA_ARCHITECTURE not in architectures:
-        raise BaseModelError(f"{path}: architectures {architectures} has no {LLAMA_ARCHITECTURE}: model.init_from "
-                             "takes causal language models of the Llama family")
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise BaseModelError(f"{path}: model_type {raw.get('model_type')!r} is not a family this trainer builds: "
+                             f"model.init_from takes {', '.join(repr(t) for t in SUPPORTED_MODEL_TYPES)} models")
+    causal_lm = architecture_of(raw["model_type"])
+    architectures = raw.get("architectures") or [causal_lm]
+    if causal_lm not in architectures:
+        raise BaseModelError(f"{path}: architectures {architectures} has no {causal_lm}: model.init_from takes causal "
+                             f"language models ({causal_lm} for model_type {raw['model_type']!r})")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
     if rope_type not in ("default", *ROPE_INIT_FUNCTIONS):
         key = "rope_scaling" if "rope_scaling" in raw else "rope_parameters"
-        raise BaseModelError(f"{path}: {key} type {rope_type!r} is not one transformers' Llama implements "
+        raise BaseModelError(f"{path}: {key} type {rope_type!r} is not one transformers implements "
                              f"({', '.join(['default', *ROPE_INIT_FUNCTIONS])})")
     for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(raw.get(field), int) or raw[field] <= 0:
             raise BaseModelError(f"{path}: {field} must be a positive integer, got {raw.get(field)!r}")
     try:
-        return LlamaConfig.from_dict(raw)
+        return config_from_dict(raw)
     except (TypeError, ValueError) as err:
-        raise BaseModelError(f"{path}: not a valid Llama config ({err})") from err
+        raise BaseModelError(f"{path}: not a valid {raw['model_type']} config ({err})") from err
 
 
 class TokenizerMismatch(InputError):
@@ -91,7 +94,7 @@ class TokenizerMismatch(InputError):
     its config names; the message names both values."""
 
 
-def check_tokenizer_fits(tokenizer: LoadedTokenizer, folder: Path, config: LlamaConfig | None = None) -> None:
+def check_tokenizer_fits(tokenizer: LoadedTokenizer, folder: Path, config: PretrainedConfig | None = None) -> None:
     """The tokenizer must be the one the base model in `folder` was trained with: every id within the model's
     vocabulary, and its BOS, EOS and PAD tokens (those it has) the ids config.json and generation_config.json
     name (one of them, where a file lists several: an instruct model's EOS ids). A TokenizerMismatch naming both
@@ -102,7 +105,7 @@ def check_tokenizer_fits(tokenizer: LoadedTokenizer, folder: Path, config: Llama
     if tokenizer.vocab_size > config.vocab_size:
         raise TokenizerMismatch(f"data.tokenizer ({tokenizer.name}) has {tokenizer.vocab_size} ids, {where} a "
                                 f"vocabulary of {config.vocab_size}: use the tokenizer the model was trained with")
-    named = {"config.json": json.loads((folder / "config.json").read_text())}  # as written: no LlamaConfig defaults
+    named = {"config.json": json.loads((folder / "config.json").read_text())}  # as written: no config class defaults
     generation = folder / "generation_config.json"
     if generation.is_file():
         try:
@@ -124,17 +127,17 @@ def check_tokenizer_fits(tokenizer: LoadedTokenizer, folder: Path, config: Llama
                     "point it at that tokenizer")
 
 
-def expected_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def expected_tensors(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint of this config holds, with their shapes (a meta build: no memory)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM._from_config(config)
+        model = causal_lm_class(config)._from_config(config)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)  # the embedding's: HF checkpoints of tied models leave it out
     return shapes
 
 
-def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, Any] | None = None, *,
+def index_base_weights(folder: Path, config: PretrainedConfig, previous: dict[str, Any] | None = None, *,
                        hash_files: bool = True) -> dict[str, Any]:
     """Check every safetensors file of the folder against the config and hash it; the index (see the module's
     docstring). `previous`: an earlier index of the same folder, whose digests stand for files of the same size
@@ -176,7 +179,7 @@ def index_base_weights(folder: Path, config: LlamaConfig, previous: dict[str, An
         found = tensors.get(name)
         if found is None:
             raise BaseModelError(f"model.init_from: {folder} has no tensor {name!r} in its safetensors files: not a "
-                                 f"complete {LLAMA_ARCHITECTURE} checkpoint of its config.json")
+                                 f"complete {architecture_of(config)} checkpoint of its config.json")
         if tuple(found["shape"]) != shape:
             raise BaseModelError(f"{folder / found['file']}: {name} has shape {found['shape']}, its config.json "
                                  f"implies {list(shape)}")

@@ -1,5 +1,6 @@
-"""The Llama-architecture model (transformers' LlamaForCausalLM): its config (a base model's, or a preset's), its
-build (random, or on the meta device for weights loaded after sharding); its sharding is trainer.model.parallelize."""
+"""The model to train: its config (a base model's, of any family trainer.model.families builds, or a Llama preset's),
+its build (random, or on the meta device for weights loaded after sharding); its sharding is
+trainer.model.parallelize."""
 
 from __future__ import annotations
 
@@ -8,34 +9,20 @@ from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from trainer.config import ModelConfig
 from trainer.config.model import preset_arguments
 from trainer.data.tokenizer import LoadedTokenizer
 from trainer.model.base import TokenizerMismatch, check_tokenizer_fits, read_base_config
-from trainer.model.loss import chunked_cross_entropy
+from trainer.model.families import causal_lm_class
 
 log = logging.getLogger(__name__)
 
 
-class CausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM whose forward, given `targets` (the next token of each position: labels already shifted),
-    returns the loss computed in chunks of `loss_chunk` positions (trainer.model.loss) and no logits. Called through
-    the module (FSDP2's hooks gather the head for it). Without targets it is transformers' own forward (generation).
-    Same parameters and state-dict keys as LlamaForCausalLM; an export names LlamaForCausalLM as its architecture."""
-
-    def forward(self, input_ids=None, targets=None, loss_reduction: str = "mean", loss_chunk: int = 1024, **kwargs):
-        if targets is None:
-            return super().forward(input_ids=input_ids, **kwargs)
-        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
-        return chunked_cross_entropy(hidden, self.lm_head, targets, loss_chunk, loss_reduction)
-
-
-def llama_config_of(model: ModelConfig, base_dir: Path | None, tokenizer: LoadedTokenizer) -> LlamaConfig:
-    """The transformers config of the model to train: the base model's own (model.init_from: its dimensions, its
-    special-token ids, which the tokenizer's must be: trainer.model.base.check_tokenizer_fits), else the preset's
+def model_config_of(model: ModelConfig, base_dir: Path | None, tokenizer: LoadedTokenizer) -> PretrainedConfig:
+    """The transformers config of the model to train: the base model's own (model.init_from: its family, its dimensions,
+    its special-token ids, which the tokenizer's must be: trainer.model.base.check_tokenizer_fits), else the preset's
     (its published vocabulary, model.vocab_size, or the tokenizer's) with the tokenizer's BOS/EOS ids
     (LlamaConfig's defaults, 1 and 2, are some other tokenizer's). A tokenizer with more ids than the model has
     embedding rows is refused, naming both sizes."""
@@ -52,39 +39,39 @@ def llama_config_of(model: ModelConfig, base_dir: Path | None, tokenizer: Loaded
     return config
 
 
-def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+def build_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     """Same seed, same initial weights on every rank (FSDP2 then keeps each rank's shard); fp32 whatever dtype the
     config names (a base model's config.json says bfloat16: the dtype of its files, not of training's master
     weights)."""
     torch.manual_seed(seed)
     # sdpa is deterministic on CPU and uses flash/memory-efficient kernels on GPU.
-    model = CausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = causal_lm_class(config)._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     log.info("model: %.1f M parameters", sum(p.numel() for p in model.parameters()) / 1e6)
     return model
 
 
-def build_model_on_meta(config: LlamaConfig) -> LlamaForCausalLM:
+def build_model_on_meta(config: PretrainedConfig) -> PreTrainedModel:
     """The model's structure on the meta device: no memory, no initialisation (~0.02 s for 101 M parameters
     instead of ~1 s). For a start whose weights come from a checkpoint or a base model anyway: shard it, then
     `materialize_on(model, device)` and load them (or `copy_initial_weights`)."""
     with torch.device("meta"):
-        return CausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        return causal_lm_class(config)._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
-def materialize_on(model: LlamaForCausalLM, device: torch.device) -> None:
+def materialize_on(model: PreTrainedModel, device: torch.device) -> None:
     """Storage for a (sharded) meta model on device: parameters uninitialised, the rotary embedding's
     frequencies (buffers computed from the config, never saved) computed as a normal build does."""
     model.to_empty(device=device)
     for module in model.modules():
-        if isinstance(module, LlamaRotaryEmbedding):
-            fresh = LlamaRotaryEmbedding(config=module.config)
+        if type(module).__name__.endswith("RotaryEmbedding"):  # each family's own class (LlamaRotaryEmbedding, ...)
+            fresh = type(module)(config=module.config)
             for name, buffer in fresh.named_buffers(recurse=False):
                 getattr(module, name).copy_(buffer)
     unknown = [name for name, _ in model.named_buffers() if ".rotary_emb." not in name]
     assert not unknown, f"buffers a meta build leaves uninitialised: {unknown}"
 
 
-def copy_initial_weights(sharded: LlamaForCausalLM, full: LlamaForCausalLM) -> None:
+def copy_initial_weights(sharded: PreTrainedModel, full: PreTrainedModel) -> None:
     """Each rank's shard of a fully built model's weights into the sharded one (FSDP2 shards dim 0 as
     torch.chunk does, which is what distribute_tensor computes; every rank holds the same full model, so
     no communication)."""
@@ -99,7 +86,7 @@ def copy_initial_weights(sharded: LlamaForCausalLM, full: LlamaForCausalLM) -> N
             parameter.copy_(source)
 
 
-def set_special_token_ids(model: LlamaForCausalLM, special_token_ids: dict[str, int | None]) -> None:
+def set_special_token_ids(model: PreTrainedModel, special_token_ids: dict[str, int | None]) -> None:
     """The tokenizer's BOS/EOS ids into the model's config and generation config (they are saved with it)."""
     model.config.update(special_token_ids)
     for key, value in special_token_ids.items():

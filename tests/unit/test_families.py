@@ -1,0 +1,85 @@
+"""The model families a base model's config.json may name (trainer.model.families): each is transformers' own class,
+whose loss the trainer's chunked loss reproduces, built on the meta device and materialised like a Llama."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trainer.model.base import BaseModelError, expected_tensors, read_base_config
+from trainer.model.build import build_model, build_model_on_meta, materialize_on
+from trainer.model.families import SUPPORTED_MODEL_TYPES, architecture_of, config_from_dict
+from trainer.model.loss import IGNORE
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+# What sets each family apart, as its config.json says it.
+FAMILIES = {
+    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 16}, tie_word_embeddings=False),
+    "mistral": dict(sliding_window=8, tie_word_embeddings=False),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1_000_000.0),  # q/k/v projections with bias
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True),  # q/k RMSNorm per head
+}
+# A parameter only that family's architecture has.
+OWN_PARAMETER = {"qwen2": "model.layers.0.self_attn.q_proj.bias", "qwen3": "model.layers.0.self_attn.q_norm.weight"}
+
+
+def family_config(model_type: str):
+    return config_from_dict({"model_type": model_type, **SMALL, **FAMILIES[model_type]})
+
+
+def test_every_supported_family_is_tested():
+    assert sorted(FAMILIES) == sorted(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_trainers_loss_is_transformers_own_loss_of_the_same_model(model_type):
+    config = family_config(model_type)
+    ours = build_model(config, seed=3)
+    plain = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    plain.load_state_dict(ours.state_dict())
+    assert type(ours).__name__ == architecture_of(config) == type(plain).__name__
+    assert isinstance(ours, type(plain))
+    assert ours.state_dict().keys() == plain.state_dict().keys()
+    if model_type in OWN_PARAMETER:
+        assert OWN_PARAMETER[model_type] in dict(ours.named_parameters())
+    ids = torch.randint(3, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)  # the next token; none after the last
+    with torch.no_grad():
+        expected = plain(input_ids=ids, labels=ids).loss
+        chunked = ours(input_ids=ids, targets=targets, loss_chunk=10)
+    torch.testing.assert_close(chunked, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_meta_build_materialised_computes_what_a_normal_build_does(model_type):
+    config = family_config(model_type)
+    built = build_model(config, seed=5)
+    meta = build_model_on_meta(config)
+    materialize_on(meta, torch.device("cpu"))  # the rotary frequencies: the family's own, from its config
+    meta.load_state_dict(built.state_dict())
+    ids = torch.randint(3, config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(meta(input_ids=ids).logits, built(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_base_models_config_json_gives_its_familys_config_and_tensors(tmp_path, model_type):
+    config = family_config(model_type)
+    raw = {**config.to_dict(), "architectures": [architecture_of(config)]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    read = read_base_config(tmp_path)
+    assert type(read) is type(config) and read.model_type == model_type
+    tensors = expected_tensors(read)
+    assert ("lm_head.weight" in tensors) == (not config.tie_word_embeddings)  # tied: the embedding's
+    if model_type in OWN_PARAMETER:
+        assert OWN_PARAMETER[model_type] in tensors
+
+
+def test_a_config_json_naming_another_familys_class_is_refused(tmp_path):
+    raw = {**family_config("qwen3").to_dict(), "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(BaseModelError, match=r"architectures \['LlamaForCausalLM'\] has no Qwen3ForCausalLM"):
+        read_base_config(tmp_path)
