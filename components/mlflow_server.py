@@ -16,6 +16,8 @@ from typing import Any
 
 import requests
 
+from trainer.config.model import DEFAULT_MODEL_TYPE
+
 PIPELINE_RUN_TAG = "pipeline_run_id"
 STEP_TAG = "pipeline_step"
 SPOOL_KEY_TAG = "spool_key"
@@ -129,7 +131,8 @@ class MlflowServer:
             found = client.search_logged_models([self._experiment_id()], max_results=1,
                                                 filter_string=f"name = '{op['name']}' AND source_run_id = '{run_id}'")
             model_id = found[0].model_id if found else client.create_logged_model(
-                self._experiment_id(), name=op["name"], source_run_id=run_id, model_type="llama").model_id
+                self._experiment_id(), name=op["name"], source_run_id=run_id,
+                model_type=op.get("model_type", DEFAULT_MODEL_TYPE)).model_id
             state["models"][key] = model_id
         if op["params"]:
             client.log_model_params(model_id, {k: str(v) for k, v in op["params"].items()})

@@ -156,12 +156,14 @@ class Tracker:
     def end_run(self, run: str, status: str) -> None:
         self._record({"op": "end_run", "run": run, "status": status})
 
-    def logged_model(self, run: str, name: str, step: int, *, params: dict[str, str] | None = None,
+    def logged_model(self, run: str, name: str, step: int, *, model_type: str, params: dict[str, str] | None = None,
                      tags: dict[str, str] | None = None, metrics: dict[str, float] | None = None,
                      ready: bool = False) -> None:
-        """An MLflow 3 LoggedModel of `run` named `name` (found again by name, so a replay makes no second one):
-        its params and tags set, `metrics` logged at `step` linked to it, READY once `ready`."""
-        self._record({"op": "logged_model", "run": run, "name": name, "step": step, "params": params or {},
+        """An MLflow 3 LoggedModel of `run` named `name` (found again by name, so a replay makes no second one) of
+        the model family `model_type` (config.json's: llama, qwen3, ...): its params and tags set, `metrics` logged
+        at `step` linked to it, READY once `ready`."""
+        self._record({"op": "logged_model", "run": run, "name": name, "step": step, "model_type": model_type,
+                      "params": params or {},
                       "tags": tags or {}, "metrics": metrics or {}, "ready": ready, "time": time.time()})
 
     def log_dataset(self, run: str, name: str, digest: str, source_uri: str, context: str = "train") -> None:

@@ -1,7 +1,7 @@
-"""A base model as a user brings one, made here: a small Llama-family model (GQA, tied embeddings, llama3 rope
-scaling) that has learnt a little of the corpus, saved with save_pretrained in bf16 over several safetensors files,
-and a byte-level BPE tokenizer trained here with `tokenizers`, with its BOS, EOS, Llama-3-style special tokens and
-chat template, saved beside it — the layout of a Hugging Face model folder."""
+"""A base model as a user brings one, made here: a small model of a family (Llama by default: GQA, tied embeddings,
+llama3 rope scaling; Mistral, Qwen2, Qwen3) that has learnt a little of the corpus, saved with save_pretrained in bf16
+over several safetensors files, and a byte-level BPE tokenizer trained here with `tokenizers`, with its BOS, EOS,
+Llama-3-style special tokens and chat template, saved beside it — the layout of a Hugging Face model folder."""
 
 from __future__ import annotations
 
@@ -34,22 +34,33 @@ def train_tokenizer(texts: list[str], vocab_size: int = 384):
     return fast
 
 
+# What sets each family's config.json apart (transformers' classes implement the rest: Qwen2's q/k/v bias, Qwen3's
+# q/k RMSNorm).
+FAMILY_OPTIONS = {
+    "llama": dict(tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}),
+    "mistral": dict(tie_word_embeddings=False, sliding_window=16),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1_000_000.0),
+    "qwen3": dict(tie_word_embeddings=True, head_dim=32),
+}
+
+
 def make_base_model(folder: Path, texts: list[str], *, hidden: int = 64, layers: int = 2, steps: int = 60,
-                    vocab_size: int | None = None, shard: str = "64KB", seed: int = 0):
-    """Save the tokenizer and a model that learnt `steps` steps of the texts into folder; returns the tokenizer.
-    vocab_size: the model's rows (default: the tokenizer's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                    vocab_size: int | None = None, shard: str = "64KB", seed: int = 0, family: str = "llama"):
+    """Save the tokenizer and a model of `family` (config.json's model_type) that learnt `steps` steps of the texts
+    into folder; returns the tokenizer. vocab_size: the model's rows (default: the tokenizer's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     tokenizer = train_tokenizer(texts)
-    config = LlamaConfig(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=True,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = AutoConfig.for_model(family, vocab_size=vocab_size or len(tokenizer), hidden_size=hidden,
+                                  intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  **FAMILY_OPTIONS[family])
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     ids = [i for text in texts for i in [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]]
     windows = torch.tensor(ids[: len(ids) // 33 * 33]).view(-1, 33)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

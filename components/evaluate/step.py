@@ -21,6 +21,7 @@ from components.mlflow_server import is_outage
 from trainer.checkpoint.export_store import ExportIncomplete, read_marker
 from trainer.checkpoint.format import MANIFEST
 from trainer.config import Config
+from trainer.config.model import DEFAULT_MODEL_TYPE
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 
@@ -45,7 +46,8 @@ def task_metrics(tasks: dict[str, Any]) -> dict[str, float]:
 
 def run_evaluate(cfg: Config, checkpoint: str) -> dict[str, Any]:
     with step_context(cfg, "evaluate") as (mlflow, run):
-        step = json.loads((Path(checkpoint) / MANIFEST).read_text())["step"]
+        manifest = json.loads((Path(checkpoint) / MANIFEST).read_text())
+        step = manifest["step"]
         path = RunDir(cfg.run_dir).evaluation(step)
         record = read_json(path)
         if record is None:
@@ -66,6 +68,7 @@ def run_evaluate(cfg: Config, checkpoint: str) -> dict[str, Any]:
         mlflow.log_metrics(run, [{"step": step, **figures}])
         export = record["export"]
         mlflow.logged_model(checkpoint_model_run(cfg.run_dir, run), checkpoint_model_name(step), step, metrics=figures,
+                            model_type=manifest["model_config"].get("model_type", DEFAULT_MODEL_TYPE),
                             tags={"export_uri": export["uri"] if export.get("complete") else "",
                                   "eval_windows": record["windows"]}, ready=bool(export.get("complete")))
         if candidate.get("generations"):

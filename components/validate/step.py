@@ -19,6 +19,7 @@ def run_validate(cfg: Config, checkpoint: str) -> dict[str, Any]:
             "step": report["step"], "checkpoint_bytes": report["bytes"], "checkpoint_files": report["files"],
             "validate_stream_seconds": report["stream_seconds"], "checks_passed": report["num_checks"]}])
         mlflow.logged_model(checkpoint_model_run(cfg.run_dir, run), checkpoint_model_name(report["step"]), report["step"],
+                            model_type=report["model_type"],
                             params={"checkpoint": checkpoint, "step": str(report["step"]),
                                     "world_size": str(report["world_size"])},
                             tags={"validated": "true", "checks_passed": ",".join(report["checks_passed"])},

@@ -45,11 +45,12 @@ def test_outage_mid_run_is_spooled_and_delivered_exactly_once(tmp_path):
         mlflow.log_artifact(run, log_file)
         log_file.write_text("overwritten after logging\n")  # the spool keeps what was logged
         mlflow.log_table(run, {"fault_type": ["sigkill"], "lost_steps": [3]}, "recovery_events.json")
+        mlflow.logged_model(run, "step-000100", 100, model_type="qwen3", metrics={"heldout_loss": 2.5}, ready=True)
         mlflow.end_run(run, "FINISHED")
         RunDir(cfg.run_dir).steps.mkdir(exist_ok=True)
         summary = run_finalize(cfg, "SUCCEEDED")  # the exit handler, server still down
         assert time.monotonic() - started < 60  # bounded: no minutes of client retries per record
-        assert summary["mlflow_pending_records"] == 7  # 5 step records + summary artifact + end
+        assert summary["mlflow_pending_records"] == 8  # 6 step records + summary artifact + end
         assert mlflow_sync(cfg.run_dir, []) == 1  # still down: non-zero, nothing lost
 
         server.start()  # same port, same store
@@ -70,6 +71,8 @@ def test_outage_mid_run_is_spooled_and_delivered_exactly_once(tmp_path):
                                                           str(tmp_path / "dl"))).read())
         assert table["data"] == [["sigkill", 3]]
         assert "summary.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+        [model] = client.search_logged_models([parent.info.experiment_id])
+        assert (model.name, model.source_run_id, model.model_type) == ("step-000100", train.info.run_id, "qwen3")
 
         # A lost bookmark (crash between the server's commit and ours) replays the whole journal: still one
         # parent, one step run, 100 loss values, one table row.
@@ -78,6 +81,7 @@ def test_outage_mid_run_is_spooled_and_delivered_exactly_once(tmp_path):
         runs = client.search_runs([parent.info.experiment_id], filter_string="tags.pipeline_run_id = 'outage'")
         assert len(runs) == 2
         assert sorted(_history(client, train.info.run_id, "loss")) == [(s, 1.0 / s) for s in range(1, 101)]
+        assert len(client.search_logged_models([parent.info.experiment_id])) == 1
         table = json.loads(open(client.download_artifacts(train.info.run_id, "recovery_events.json",
                                                           str(tmp_path / "dl2"))).read())
         assert table["data"] == [["sigkill", 3]]

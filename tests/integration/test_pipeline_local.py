@@ -218,7 +218,7 @@ def test_the_first_run_registers_the_champion_and_the_second_is_compared_with_it
     # Registered from the export the training's ranks wrote to S3, linked to its checkpoint's LoggedModel.
     assert champion.source == "s3://resilient-train-data/exports/e2e/step-000006"
     logged = client.get_logged_model(champion.tags["model_id"])
-    assert logged.name == "step-000006" and logged.source_run_id == champion.run_id
+    assert logged.name == "step-000006" and logged.source_run_id == champion.run_id and logged.model_type == "llama"
     linked = json.loads(logged.tags["mlflow.modelVersions"])
     assert [(v["name"], str(v["version"])) for v in linked] == [("resilient-train-llama", "1")]
     assert {m.key for m in logged.metrics} >= {"heldout_loss", "multiple_choice_accuracy", "checkpoint_bytes"}

@@ -8,6 +8,11 @@ from typing import Any, Literal
 
 from trainer.config.rules import check_s3_uri, is_s3_uri, require
 
+# The families a base model's config.json may name (its model_type); trainer.model.families builds them.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Manifests and spooled records of releases before the families name no model_type: they were Llama.
+DEFAULT_MODEL_TYPE = "llama"
+
 # Llama 3's rotary scaling ("llama3"): the published configs' rope_scaling, with the factor each model names.
 def _llama3_rope(factor: float) -> dict[str, Any]:
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

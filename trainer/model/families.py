@@ -18,11 +18,8 @@ from transformers import PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from trainer.config.model import DEFAULT_MODEL_TYPE, SUPPORTED_MODEL_TYPES
 from trainer.model.loss import chunked_cross_entropy
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Manifests of releases before the families had no model_type in their model_config: they were Llama.
-DEFAULT_MODEL_TYPE = "llama"
 
 
 class UnsupportedFamily(ValueError):
