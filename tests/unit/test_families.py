@@ -1,5 +1,6 @@
 """The model families a base model's config.json may name (trainer.model.families): each is transformers' own class,
-whose loss the trainer's chunked loss reproduces, built on the meta device and materialised like a Llama."""
+whose loss the trainer's chunked loss reproduces, built on the meta device and materialised like a Llama, its layers
+checkpointed (full, selective by op or by layer) to the same gradients."""
 
 import json
 
@@ -10,7 +11,9 @@ from transformers import AutoModelForCausalLM
 from trainer.model.base import BaseModelError, expected_tensors, read_base_config
 from trainer.model.build import build_model, build_model_on_meta, materialize_on
 from trainer.model.families import SUPPORTED_MODEL_TYPES, architecture_of, config_from_dict
+from trainer.config import TrainingConfig
 from trainer.model.loss import IGNORE
+from trainer.model.parallelize import apply_activation_checkpointing
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -83,3 +86,25 @@ def test_a_config_json_naming_another_familys_class_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(BaseModelError, match=r"architectures \['LlamaForCausalLM'\] has no Qwen3ForCausalLM"):
         read_base_config(tmp_path)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("mode, selective", [("full", "op"), ("selective", "op"), ("selective", 2)])
+def test_activation_checkpointing_of_each_family_gives_the_gradients_of_none(model_type, mode, selective):
+    config = family_config(model_type)
+    ids = torch.randint(3, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    targets = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE)], dim=1)
+    gradients = []
+    for training in (TrainingConfig(), TrainingConfig(activation_checkpointing=mode, selective_ac=selective)):
+        model = build_model(config, seed=7)
+        apply_activation_checkpointing(model, training)
+        expected = [training.activation_checkpointing != "none" and (selective == "op" or index % selective == 0)
+                    for index in range(config.num_hidden_layers)]
+        assert [layer.gradient_checkpointing for layer in model.model.layers] == expected
+        model.train()
+        model(input_ids=ids, targets=targets, loss_chunk=10).backward()
+        gradients.append({name: p.grad for name, p in model.named_parameters()})
+    plain, checkpointed = gradients
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)

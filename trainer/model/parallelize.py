@@ -90,7 +90,8 @@ def describe_checkpointing(training: TrainingConfig) -> str:
 
 def apply_activation_checkpointing(model: torch.nn.Module, training: TrainingConfig) -> None:
     """Through transformers' own per-layer checkpointing (GradientCheckpointingLayer): no wrapper module, so
-    parameter names and state-dict keys stay those of LlamaForCausalLM."""
+    parameter names and state-dict keys stay those of the family's class (LlamaForCausalLM, Qwen3ForCausalLM,
+    ...)."""
     mode = training.activation_checkpointing
     if mode == "none":
         return

@@ -33,7 +33,8 @@ def flops_per_token(num_parameters: int, embedding_parameters: int, layers: int,
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """flops_per_token of a (sharded) LlamaForCausalLM: a DTensor's numel is the whole parameter's."""
+    """flops_per_token of a (sharded) causal LM of any family (head_dim from its config): a DTensor's numel is the
+    whole parameter's."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return flops_per_token(sum(p.numel() for p in model.parameters()), model.model.embed_tokens.weight.numel(),
