@@ -14,6 +14,7 @@ from trainer.model.families import SUPPORTED_MODEL_TYPES, architecture_of, confi
 from trainer.config import TrainingConfig
 from trainer.model.loss import IGNORE
 from trainer.model.parallelize import apply_activation_checkpointing
+from trainer.planning.model_size import ModelShape
 
 SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -108,3 +109,12 @@ def test_activation_checkpointing_of_each_family_gives_the_gradients_of_none(mod
     assert plain.keys() == checkpointed.keys()
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_planners_parameter_count_is_the_familys_built_model(model_type):
+    """What sizes node memory, the first heartbeat, restore timeouts and the GPU memory estimate (trainer.planning)
+    counts each family's own parameters: Qwen2's q/k/v biases, Qwen3's q/k norms, tied or untied heads."""
+    config = family_config(model_type)
+    built = sum(p.numel() for p in build_model_on_meta(config).parameters())
+    assert ModelShape.from_config(config.to_dict()).parameters == built

@@ -30,7 +30,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A Llama-family model's dimensions (the fields of its HF config.json)."""
+    """A model's dimensions (the fields of its HF config.json), of any family trainer.model.families builds."""
 
     hidden_size: int
     intermediate_size: int
@@ -42,6 +42,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False  # Qwen2's q/k/v projections (not o) have biases, whatever attention_bias says
+    qk_norm: bool = False  # Qwen3's per-head RMSNorm of q and k
     weights_dtype: str = "float32"  # how a base model's files store them (config.json's torch_dtype / dtype)
 
     @classmethod
@@ -55,6 +57,7 @@ class ModelShape:
                    tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                    attention_bias=bool(config.get("attention_bias", False)),
                    mlp_bias=bool(config.get("mlp_bias", False)),
+                   qkv_bias=config.get("model_type") == "qwen2", qk_norm=config.get("model_type") == "qwen3",
                    weights_dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"))
 
     @property
@@ -62,6 +65,8 @@ class ModelShape:
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv + h) if self.attention_bias else 0)
+        attention += (q + 2 * kv) if self.qkv_bias else 0
+        attention += 2 * self.head_dim if self.qk_norm else 0
         mlp = 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
         return attention + mlp + 2 * h  # two RMSNorms
 
