@@ -12,8 +12,8 @@ In two passes, as torchtitan's HF checkpointing does with torch DCP's Hugging Fa
 2. DCP's ``consolidate_safetensors_files_on_every_rank`` has each rank assemble its share of the output files —
    ``model-0000i-of-0000N.safetensors`` of at most ``max_file_bytes`` each, a tensor at a time (its memory: the
    largest tensor) — and rank 0 writes ``model.safetensors.index.json``.
-Rank 0 then adds config.json (the family's architecture, LlamaForCausalLM or Qwen3ForCausalLM say, the export's dtype), generation_config.json and the
-tokenizer's files, and the sharded files are removed.
+Rank 0 then adds config.json (the family's architecture, LlamaForCausalLM or Qwen3ForCausalLM say, the export's
+dtype), generation_config.json and the tokenizer's files, and the sharded files are removed.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def file_layout(shapes: dict[str, tuple[tuple[int, ...], int]], max_file_bytes: 
     return layout
 
 
-def _rows(model: torch.nn.Module, config: PretrainedConfig) -> dict[str, tuple[torch.Tensor, list[int], tuple[int, ...]]]:
+def _rows(model: torch.nn.Module,
+          config: PretrainedConfig) -> dict[str, tuple[torch.Tensor, list[int], tuple[int, ...]]]:
     """Each state-dict entry's local rows on this rank (a view: no copy), their offset in the full tensor and the
     full tensor's shape; a tied head is not stored (HF convention: the embedding is the head)."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))

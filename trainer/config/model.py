@@ -69,9 +69,9 @@ class ModelConfig:
     init_from: str = ""
     """A base model in Hugging Face format (config.json + *.safetensors; model_type llama, mistral, qwen2 or qwen3:
     trainer.model.families) to continue from: a local folder, or its S3 prefix (s3://bucket/prefix), which the
-    stage step stages under <fsx_root>/models/<last segment>-<hash of the URI>/hf and checks once. Its own tokenizer (tokenizer.json
-    beside the weights) is used unless data.tokenizer names another. Empty starts from random weights. A
-    checkpoint of the run to resume from takes precedence."""
+    stage step stages under <fsx_root>/models/<last segment>-<hash of the URI>/hf and checks once. Its own
+    tokenizer (tokenizer.json beside the weights) is used unless data.tokenizer names another. Empty starts from
+    random weights. A checkpoint of the run to resume from takes precedence."""
 
     vocab_size: int = 0
     """Vocabulary size of a model trained from scratch; 0 means the preset's where it is a published model's
