@@ -165,7 +165,8 @@ def check_checkpoint(folder: Path, expected_run_id: str | None = None, threads: 
     tensors = sum(1 for meta in entries.values() if isinstance(meta, TensorStorageMetadata))
     report = {"checkpoint": str(folder), "step": manifest["step"], "world_size": manifest["world_size"],
               "run_id": manifest.get("run_id"),
-              "model_type": manifest["model_config"].get("model_type", DEFAULT_MODEL_TYPE), "files": len(listed), "bytes": sum(f["bytes"] for f in listed.values()),
+              "model_type": manifest["model_config"].get("model_type", DEFAULT_MODEL_TYPE),
+              "files": len(listed), "bytes": sum(f["bytes"] for f in listed.values()),
               "stream_seconds": time.perf_counter() - started, "tensors": tensors,
               "optimizer_tensors": sum(1 for key in entries if key.startswith("optim.")),
               "largest_item_bytes": max((r["largest_item"] for r in results.values()), default=0),

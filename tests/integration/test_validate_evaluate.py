@@ -164,7 +164,10 @@ MEASURE_VALIDATE = """
 import json, sys
 from pathlib import Path
 from components.validate.checks import check_checkpoint
+from trainer.model.families import causal_lm_class, config_from_dict
 from trainer.observe.memory import peak_rss, reset_peak
+# The family's modeling module is imported once per process (tens of MB, not the model's size): before the baseline.
+causal_lm_class(config_from_dict(json.loads((Path(sys.argv[1]) / "manifest.json").read_text())["model_config"]))
 held = reset_peak()
 report = check_checkpoint(Path(sys.argv[1]))
 print(json.dumps({"growth": peak_rss() - held, "largest_item": report["largest_item_bytes"]}))
