@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainer.data.shards import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, load_meta,
-                                 shard_files, tokenize_files)
+from trainer.data.conversations import ConversationFormat
+from trainer.data.shards import (META_FILE, SHARD_FORMAT_VERSION, DataError, combined_content_hash, flag_files,
+                                 load_meta, reading_key, shard_files, tokenize_files)
 from trainer.data.tokenizer import load_tokenizer
 from trainer.run.run_dir import write_json
 
@@ -73,7 +74,7 @@ def shard_dir(dataset_dir: Path, index: int, count: int) -> Path:
 
 
 def tokenize_group(group: dict[str, Any], dataset_dir: Path, val_fraction: float, tokenizer: str,
-                   text_field: str = "text") -> dict[str, Any]:
+                   text_field: str = "text", conversations: ConversationFormat | None = None) -> dict[str, Any]:
     """Tokenize one planned group into its shard folder (reused when its files are unchanged); returns what
     collect_shards needs: the group's index and count, the shard folder and its content hash (and its seconds)."""
     dataset_dir = Path(dataset_dir)
@@ -84,14 +85,14 @@ def tokenize_group(group: dict[str, Any], dataset_dir: Path, val_fraction: float
                         "staged files changed since the stage task listed them; run the pipeline again")
     started = time.perf_counter()
     out = shard_dir(dataset_dir, group["index"], group["count"])
-    meta = tokenize_files(files, out, val_fraction, tokenizer, require_both_splits=False, text_field=text_field)
+    meta = tokenize_files(files, out, val_fraction, tokenizer, require_both_splits=False, text_field=text_field,
+                          conversations=conversations)
     return {"index": group["index"], "count": group["count"], "dir": str(out.relative_to(dataset_dir)),
             "content_hash": meta["content_hash"], "seconds": time.perf_counter() - started}
 
 
 def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction: float, tokenizer: str,
-                   text_field: str = "text"
-                   ) -> dict[str, Any]:
+                   text_field: str = "text", conversations: ConversationFormat | None = None) -> dict[str, Any]:
     """The dataset's tokens.json from every group's shard, in group order; then the shards of earlier plans
     (another tokenize_tasks) and the single-file layout of older versions are deleted."""
     dataset_dir = Path(dataset_dir)
@@ -110,24 +111,33 @@ def collect_shards(shards: list[dict[str, Any]], dataset_dir: Path, val_fraction
     first = metas[0]
     for shard, meta in zip(shards, metas):
         settings = (meta["tokenizer"], meta["vocab_size"], meta["dtype"], meta["val_fraction"],
-                    meta.get("text_field", "text"))
-        if settings != (first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction, text_field):
+                    meta.get("text_field", "text"), meta.get("conversations"))
+        if settings != (first["tokenizer"], first["vocab_size"], first["dtype"], val_fraction, text_field,
+                        first.get("conversations")):
             raise DataError(f"{dataset_dir / shard['dir'] / META_FILE}: tokenized with other settings than the rest "
                             f"(tokenizer, dtype, data.val_fraction or the text field): run the pipeline again")
     loaded = load_tokenizer(tokenizer)
     digests = [digest for meta in metas for digest in meta["file_digests"]]
     splits = {}
     for split in ("train", "val"):
-        files = [f"{shard['dir']}/{name}" for shard, meta in zip(shards, metas) for name in shard_files(meta["splits"][split])]
-        totals = {key: sum(meta["splits"][split][key] for meta in metas) for key in ("tokens", "documents")}
+        files = [f"{shard['dir']}/{name}" for shard, meta in zip(shards, metas)
+                 for name in shard_files(meta["splits"][split])]
+        flags = [f"{shard['dir']}/{name}" for shard, meta in zip(shards, metas)
+                 for name in flag_files(meta["splits"][split])]
+        counted = sorted({key for meta in metas for key, value in meta["splits"][split].items()
+                          if isinstance(value, int)})
+        totals = {key: sum(meta["splits"][split].get(key, 0) for meta in metas) for key in counted}
         if not totals["documents"]:
             raise DataError(f"the {split} split is empty: add documents or change data.val_fraction")
-        splits[split] = {"files": files, **totals}
+        splits[split] = {"files": files, **({"flags_files": flags} if flags else {}), **totals}
     merged = {"format_version": SHARD_FORMAT_VERSION, "tokenizer": first["tokenizer"], "vocab_size": first["vocab_size"],
               "dtype": first["dtype"], "content_hash": combined_content_hash(digests, val_fraction,
-                                                                              loaded.tokenizer.to_str(), text_field),
+                                                                              loaded.tokenizer.to_str(),
+                                                                              reading_key(text_field, conversations,
+                                                                                          loaded)),
               "tokenizer_hash": loaded.content_hash(), "val_fraction": val_fraction, "text_field": text_field,
-              "splits": splits, "shards": [shard["dir"] for shard in shards]}
+              "splits": splits, "shards": [shard["dir"] for shard in shards],
+              **({"conversations": first["conversations"]} if "conversations" in first else {})}
     write_json(dataset_dir / META_FILE, merged)
     _delete_unlisted(dataset_dir, {Path(shard["dir"]).name for shard in shards})
     log.info("%d token shard(s) in %s: %d train / %d val tokens", count, dataset_dir, splits["train"]["tokens"],
@@ -154,16 +164,22 @@ def write_mixture(data_dir: Path, parts: list[tuple[Any, Path, dict[str, Any]]])
         raise DataError(f"{data_dir}: the corpora were tokenized with different tokenizers {sorted(kinds)}: stage "
                         "them again with one data.tokenizer")
     [(tokenizer, vocab, dtype)] = kinds
+    formats = {json.dumps(tokens.get("conversations"), sort_keys=True) for _, _, tokens in parts}
+    if len(formats) != 1:
+        raise DataError(f"{data_dir}: the corpora were tokenized as different formats (data.format, training.seq_len"
+                        f"): {sorted(formats)}: stage them again with one")
     tokenizer_hash = next((tokens.get("tokenizer_hash") for _, _, tokens in parts), None)
     mixture = [{"name": source.name, "dir": os.path.relpath(folder, data_dir), "weight": source.weight,
                 "text_field": source.text_field, "content_hash": tokens["content_hash"]}
                for source, folder, tokens in parts]
     splits = {split: {key: sum(tokens["splits"][split][key] for _, _, tokens in parts)
                       for key in ("tokens", "documents")} for split in ("train", "val")}
+    conversations = parts[0][2].get("conversations")
     content_hash = hashlib.sha256(json.dumps([[m["name"], m["weight"], m["content_hash"]] for m in mixture])
                                   .encode()).hexdigest()
     meta = {"format_version": SHARD_FORMAT_VERSION, "mixture": mixture, "tokenizer": tokenizer, "vocab_size": vocab,
-            "tokenizer_hash": tokenizer_hash, "dtype": dtype, "content_hash": content_hash, "splits": splits}
+            "tokenizer_hash": tokenizer_hash, "dtype": dtype, "content_hash": content_hash, "splits": splits,
+            **({"conversations": conversations} if conversations else {})}
     data_dir.mkdir(parents=True, exist_ok=True)
     write_json(data_dir / META_FILE, meta)
     return meta

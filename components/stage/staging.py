@@ -137,10 +137,10 @@ def previous_objects(manifest_path: Path) -> dict[str, dict]:
 
 def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None, tokenize: bool = True,
                   source: DatasetConfig | None = None, tokenizer: str | None = None,
-                  field: str = "data.s3_uri") -> dict[str, Any]:
+                  field: str = "data.s3_uri", conversations=None) -> dict[str, Any]:
     """Stage a corpus (default: data's one, data.s3_uri) into <dataset_dir>/raw by data.stage_mode, tokenize it
     with `tokenizer` (default data.tokenizer, or byte: a name or folder; a run's is Config.tokenizer_spec), write the
-    manifest.
+    manifest. `conversations`: a fine-tuning corpus's format (Config.data.conversation_format), None for text.
 
     `fsx` is an FSx client for dra mode (created when omitted). Concurrent stages of the same dataset folder (two
     pipeline runs at once) take turns. The dataset folder is created here, before a DRA links raw/ below it, so
@@ -175,9 +175,10 @@ def stage_dataset(data, dataset_dir: Path, fsx_root: Path, *, fsx=None, tokenize
         tokens, tokenize_started = None, time.perf_counter()
         tokenizer = tokenizer if tokenizer is not None else data.tokenizer or "byte"  # (no base model here)
         if tokenize:
-            shards = [tokenize_group(group, dataset_dir, data.val_fraction, tokenizer, source.text_field)
+            shards = [tokenize_group(group, dataset_dir, data.val_fraction, tokenizer, source.text_field, conversations)
                       for group in groups]
-            tokens = collect_shards(shards, dataset_dir, data.val_fraction, tokenizer, source.text_field)
+            tokens = collect_shards(shards, dataset_dir, data.val_fraction, tokenizer, source.text_field,
+                                    conversations)
         manifest = {**staged, "dataset": source.name, "weight": source.weight, "text_field": source.text_field,
                     "dataset_dir": str(dataset_dir), "unknown_files_count": len(unknown),
                     "unknown_files": unknown[:SHOWN_UNKNOWN], "token_groups": groups, "tokens": tokens,

@@ -65,7 +65,8 @@ def run_stage(cfg: Config, data_fingerprint: str = "", *, tokenize: bool = True)
         tokenizer = {"source": cfg.tokenizer_source, "dir": cfg.tokenizer_spec,
                      "content_hash": load_tokenizer(cfg.tokenizer_spec).content_hash()}
         manifests = [stage_dataset(cfg.data, cfg.dataset_dir_of(source.name), cfg.fsx_root, tokenize=tokenize,
-                                   source=source, tokenizer=cfg.tokenizer_spec, field=_field_of(cfg, index))
+                                   source=source, tokenizer=cfg.tokenizer_spec, field=_field_of(cfg, index),
+                                   conversations=cfg.data.conversation_format(cfg.training.seq_len))
                      for index, source in enumerate(cfg.data.sources())]
         manifest_hash = (manifests[0]["manifest_hash"] if not cfg.data.mixed else hashlib.sha256(json.dumps(
             [[m["dataset"], m["weight"], m["manifest_hash"]] for m in manifests]).encode()).hexdigest())
@@ -137,7 +138,8 @@ def run_tokenize_shard(cfg: Config, group: dict[str, Any]) -> dict[str, Any]:
     source = _source(cfg, group["dataset"])
     dataset_dir = cfg.dataset_dir_of(source.name)
     with recording_stage_error(cfg), dataset_lock(dataset_dir, shared=True):
-        return {**tokenize_group(group, dataset_dir, cfg.data.val_fraction, cfg.tokenizer_spec, source.text_field),
+        return {**tokenize_group(group, dataset_dir, cfg.data.val_fraction, cfg.tokenizer_spec, source.text_field,
+                                 cfg.data.conversation_format(cfg.training.seq_len)),
                 "dataset": source.name}
 
 
@@ -152,7 +154,8 @@ def run_collect_shards(cfg: Config, shards: list[dict[str, Any]], staged: dict[s
             with dataset_lock(dataset_dir):
                 mine = [shard for shard in shards if shard["dataset"] == source.name]
                 summary["tokens"] = collect_shards(mine, dataset_dir, cfg.data.val_fraction, cfg.tokenizer_spec,
-                                                   source.text_field)
+                                                   source.text_field,
+                                                   cfg.data.conversation_format(cfg.training.seq_len))
                 manifest_path = dataset_dir / STAGE_MANIFEST
                 manifest = read_json(manifest_path)
                 if manifest is None or manifest.get("manifest_hash") != summary["manifest_hash"]:

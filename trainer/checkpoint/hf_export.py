@@ -104,9 +104,11 @@ def _write_rank_file(path: Path, rows: dict[str, tuple[torch.Tensor, list[int], 
 
 def write_hf_export(model: torch.nn.Module, config: PretrainedConfig, tokenizer_spec: str, folder: Path, *,
                     dtype: torch.dtype = torch.bfloat16, max_file_bytes: int = 5 * 10**9,
-                    threads: int = 2) -> dict[str, Any]:
+                    threads: int = 2, end_of_turn_ids: list[int] = ()) -> dict[str, Any]:
     """Collective: the HF folder of `model` (FSDP2-sharded, or whole in a single process) at `folder`, written by
-    every rank. Returns what was written: files, bytes and seconds (rank 0's view of the whole export)."""
+    every rank. Returns what was written: files, bytes and seconds (rank 0's view of the whole export).
+    end_of_turn_ids: the tokens the chat template ends an assistant turn with (a fine-tuning's data): generation
+    stops at them as at EOS, as an instruct model's generation_config.json says."""
     started = time.perf_counter()
     folder = Path(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -130,7 +132,7 @@ def write_hf_export(model: torch.nn.Module, config: PretrainedConfig, tokenizer_
         exported = config.to_dict()
         exported.update(architectures=[architecture_of(config)], dtype=str(dtype).removeprefix("torch."))
         config_from_dict(exported).save_pretrained(str(folder))
-        _generation_config(config).save_pretrained(str(folder))
+        _generation_config(config, end_of_turn_ids).save_pretrained(str(folder))
         load_tokenizer(tokenizer_spec).save(folder)
     if dist.is_initialized():
         dist.barrier()
@@ -143,6 +145,10 @@ def write_hf_export(model: torch.nn.Module, config: PretrainedConfig, tokenizer_
     return figures
 
 
-def _generation_config(config: PretrainedConfig) -> GenerationConfig:
-    return GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+def _generation_config(config: PretrainedConfig, end_of_turn_ids: list[int] = ()) -> GenerationConfig:
+    eos = config.eos_token_id
+    stops = [*([] if eos is None else eos if isinstance(eos, list) else [eos]),
+             *(i for i in end_of_turn_ids if i != eos)]
+    return GenerationConfig(bos_token_id=config.bos_token_id,
+                            eos_token_id=stops[0] if len(stops) == 1 else (stops or None),
                             pad_token_id=getattr(config, "pad_token_id", None))

@@ -61,6 +61,36 @@ class DataConfig:
     text_field: str = "text"
     """JSONL key / parquet column holding each document's text (a corpus of data.datasets may name its own)."""
 
+    format: Literal["text", "chat", "prompt_completion"] = "text"
+    """What a record is: 'text' (pre-training: data.text_field's text), 'chat' (fine-tuning: data.messages_field's
+    list of {role, content}, rendered by the tokenizer's chat template) or 'prompt_completion' (fine-tuning:
+    data.prompt_field and data.completion_field, both text or both lists of messages). Fine-tuning records are
+    packed several to a row, each attending only to itself (docs/fine-tuning.md)."""
+
+    messages_field: str = "messages"
+    """data.format=chat: the JSONL key / parquet column of each record's conversation."""
+
+    prompt_field: str = "prompt"
+    """data.format=prompt_completion: the field of the prompt (never a target)."""
+
+    completion_field: str = "completion"
+    """data.format=prompt_completion: the field of the completion (the targets)."""
+
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """Fine-tuning: the targets are the assistant's turns (and the completion) only, or 'all' tokens of a record."""
+
+    too_long: Literal["drop", "truncate"] = "drop"
+    """Fine-tuning: a record longer than training.seq_len + 1 tokens is dropped, or truncated to it (a truncated
+    record with no target left is dropped); both are counted in tokens.json and logged."""
+
+    bad_records: Literal["fail", "skip"] = "fail"
+    """Fine-tuning: a record that cannot be trained (a missing field, no assistant turn, a role the chat template
+    refuses) fails the stage naming its file and line, or is skipped and counted."""
+
+    document_mask: bool = False
+    """Pre-training: each document of a window attends only to itself, its positions starting at 0 at its BOS (the
+    same masking fine-tuning rows always have). Off: windows attend across documents, as pre-training usually does."""
+
     unknown_files: Literal["skip", "fail"] = "skip"
     """Staged files that are no document format (_SUCCESS markers, READMEs, .csv): 'skip' them, counted in the
     stage manifest and on the console, or 'fail' the stage naming them."""
@@ -138,6 +168,14 @@ class DataConfig:
         require(self.dra_poll_seconds > 0, "data.dra_poll_seconds", "must be > 0")
         require(self.on_bad_key in ("fail", "skip"), "data.on_bad_key", "must be 'fail' or 'skip'")
         require(self.unknown_files in ("skip", "fail"), "data.unknown_files", "must be 'skip' or 'fail'")
+        require(self.format in ("text", "chat", "prompt_completion"), "data.format",
+                f"must be 'text', 'chat' or 'prompt_completion', got {self.format!r}")
+        require(self.loss_on in ("assistant", "all"), "data.loss_on", "must be 'assistant' or 'all'")
+        require(self.too_long in ("drop", "truncate"), "data.too_long", "must be 'drop' or 'truncate'")
+        require(self.bad_records in ("fail", "skip"), "data.bad_records", "must be 'fail' or 'skip'")
+        for name in ("messages_field", "prompt_field", "completion_field"):
+            require(bool(getattr(self, name).strip()), f"data.{name}", "must name a JSONL key / parquet column")
+        require(self.prompt_field != self.completion_field, "data.completion_field", "must differ from data.prompt_field")
         require(self.on_mixture_change in ("refuse", "new_phase"), "data.on_mixture_change",
                 "must be 'refuse' or 'new_phase'")
         check_s3_uri(self.s3_uri, "data.s3_uri")
@@ -162,6 +200,20 @@ class DataConfig:
         if not self.datasets:
             return [DatasetConfig(self.dataset_name, self.s3_uri, 1.0, self.text_field)]
         return [DatasetConfig(d.name, d.s3_uri, d.weight, d.text_field or self.text_field) for d in self.datasets]
+
+    @property
+    def fine_tuning(self) -> bool:
+        """Records of conversations or prompt/completion pairs, packed with targets masked (not raw text)."""
+        return self.format != "text"
+
+    def conversation_format(self, seq_len: int):
+        """How the stage step tokenizes a fine-tuning corpus (None for text)."""
+        if not self.fine_tuning:
+            return None
+        from trainer.data.conversations import ConversationFormat
+
+        return ConversationFormat(self.format, seq_len, self.messages_field, self.prompt_field, self.completion_field,
+                                  self.loss_on, self.too_long, self.bad_records)
 
     @property
     def mixed(self) -> bool:

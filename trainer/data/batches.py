@@ -23,9 +23,12 @@ from typing import Iterable
 
 import numpy as np
 
+from trainer.data.conversations import labels_and_positions, positions_from_starts
 from trainer.data.phases import DataPhase, MixtureChanged, describe_change, first_phase, next_phase
 from trainer.data.samples import Mixture, corpus_key, epoch_key, permute
-from trainer.data.shards import META_FILE, DataError, load_meta, shard_files
+from trainer.data.shards import META_FILE, DataError, flag_files, load_meta, shard_files
+
+IGNORE = -100  # trainer.model.loss.IGNORE (not imported: the data side imports no torch)
 
 
 class _Concatenated:
@@ -53,25 +56,35 @@ class _Concatenated:
 
 @dataclass
 class Corpus:
-    """One corpus's split as windows: window i is tokens [i * seq_len, i * seq_len + seq_len + 1)."""
+    """One corpus's split as windows: window i is tokens [i * seq_len, i * seq_len + seq_len + 1); a fine-tuning
+    corpus's (flags: each token's TARGET and START, trainer.data.conversations) as its packed rows of seq_len + 1."""
 
     name: str
     tokens: np.ndarray
     seq_len: int
     weight: float
     content_hash: str = ""  # its tokens.json's: with the name, what the corpus is
+    flags: np.ndarray | None = None
 
     @property
     def identity(self) -> str:
         return f"{self.name}:{self.content_hash}"
 
     @property
+    def stride(self) -> int:
+        return self.seq_len if self.flags is None else self.seq_len + 1
+
+    @property
     def windows(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
+        return (len(self.tokens) - 1) // self.seq_len if self.flags is None else len(self.tokens) // self.stride
 
     def window(self, index: int) -> np.ndarray:
-        start = int(index) * self.seq_len
+        start = int(index) * self.stride
         return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+
+    def window_flags(self, index: int) -> np.ndarray:
+        start = int(index) * self.stride
+        return np.asarray(self.flags[start:start + self.seq_len + 1])
 
 
 def _open_corpus(data_dir: Path, split: str, seq_len: int, name: str, weight: float) -> Corpus:
@@ -86,6 +99,20 @@ def _open_corpus(data_dir: Path, split: str, seq_len: int, name: str, weight: fl
     parts = [np.memmap(p, dtype=np.dtype(meta["dtype"]), mode="r") for p in paths if p.stat().st_size]
     tokens = parts[0] if len(parts) == 1 else _Concatenated(parts)  # (none: fewer tokens than a window)
     where = paths[0] if len(paths) == 1 else f"{paths[0].parent}/{'+'.join(p.name for p in paths)}"
+    flags = None
+    if "conversations" in meta:
+        packed = meta["conversations"]["seq_len"]
+        if packed != seq_len:
+            raise DataError(f"{Path(data_dir) / META_FILE}: the fine-tuning records were packed into rows of "
+                            f"training.seq_len = {packed} + 1 tokens, this run's training.seq_len is {seq_len}: stage "
+                            "the data again with this seq_len (the pipeline's stage step does)")
+        flag_paths = [Path(data_dir) / file for file in flag_files(meta["splits"][split])]
+        flag_parts = [np.memmap(p, dtype=np.uint8, mode="r") for p in flag_paths if p.stat().st_size]
+        flags = flag_parts[0] if len(flag_parts) == 1 else _Concatenated(flag_parts)
+        if not parts or len(tokens) < seq_len + 1:
+            raise DataError(f"{where} holds no row of training.seq_len + 1 = {seq_len + 1} tokens: no record of the "
+                            f"{split} split fits (data.too_long, tokens.json's counts)")
+        return Corpus(name, tokens, seq_len, weight, meta.get("content_hash", ""), flags)
     if len(tokens) < seq_len + 2:
         raise DataError(f"{where} holds {len(tokens)} tokens, fewer than training.seq_len + 2 = {seq_len + 2}")
     return Corpus(name, tokens, seq_len, weight, meta.get("content_hash", ""))
@@ -127,9 +154,15 @@ class TokenBatches:
     batch_size: int
     seed: int
     phases: list[DataPhase] = field(default_factory=list)  # empty: one phase of these corpora, by name
-    # whether labels may be IGNORE (a masked target): token windows of text never are, so a step's loss needs no
-    # count of the job's targets (trainer.job.step.forward_backward)
-    masks_targets: bool = False
+    # the token that begins a document (BOS) where each document of a text window attends only to itself
+    # (data.document_mask); fine-tuning rows always mask their records
+    document_start: int | None = None
+
+    @property
+    def masks_targets(self) -> bool:
+        """Whether labels may be IGNORE (fine-tuning rows): token windows of text never are, so a step's loss needs
+        no count of the job's targets (trainer.job.step.forward_backward)."""
+        return any(corpus.flags is not None for corpus in self.corpora)
 
     def __post_init__(self) -> None:
         self.current = [(c.name, c.content_hash, c.weight) for c in self.corpora]
@@ -207,10 +240,19 @@ class TokenBatches:
             corpora[mine], windows[mine] = plan.members[members], picked
         return corpora, windows
 
-    def samples(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, labels) of shape [len(samples), seq_len] as int64."""
+    def samples(self, samples: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(inputs, labels) of shape [len(samples), seq_len] as int64; where documents are masked (fine-tuning
+        rows, data.document_mask) also their position_ids, restarting at each document."""
         corpora, windows = self.windows_of(np.asarray(samples, dtype=np.int64))
+        return self._rows(corpora, windows)
+
+    def _rows(self, corpora: np.ndarray, windows: np.ndarray) -> tuple[np.ndarray, ...]:
         rows = np.stack([self.corpora[c].window(w) for c, w in zip(corpora, windows)])
+        if self.masks_targets:
+            flags = np.stack([self.corpora[c].window_flags(w) for c, w in zip(corpora, windows)])
+            return labels_and_positions(rows, flags, IGNORE)
+        if self.document_start is not None:
+            return rows[:, :-1], rows[:, 1:], positions_from_starts(rows[:, :-1] == self.document_start)
         return rows[:, :-1], rows[:, 1:]
 
     def batch(self, first_sample: int, micro_step: int, rank: int, ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -262,9 +304,7 @@ class TokenBatches:
         keep = drawn < np.array([c.windows for c in self.corpora])[corpora]  # a small corpus runs out: skipped
         corpora, drawn = corpora[keep], drawn[keep]
         for first in range(0, len(corpora), self.batch_size):
-            rows = np.stack([self.corpora[c].window(w) for c, w in zip(corpora[first:first + self.batch_size],
-                                                                        drawn[first:first + self.batch_size])])
-            yield rows[:, :-1], rows[:, 1:]
+            yield self._rows(corpora[first:first + self.batch_size], drawn[first:first + self.batch_size])
 
 
 def rank_samples(first_sample: int, micro_step: int, rank: int, ranks: int, batch_size: int) -> np.ndarray:

@@ -53,12 +53,18 @@ def document_format(path: Path) -> str | None:
     return next((suffix for suffix in DOCUMENT_FORMATS if name.endswith(suffix)), None)
 
 
-def text_chunks(files: list[Path], text_field: str) -> Iterator[Chunk]:
-    """The corpus as tasks of whole documents, in document order, each about CHUNK_CHARS. Nothing holds more."""
+def text_chunks(files: list[Path], text_field: str, columns: tuple[str, ...] | None = None) -> Iterator[Chunk]:
+    """The corpus as tasks of whole documents, in document order, each about CHUNK_CHARS. Nothing holds more.
+    `columns`: a fine-tuning corpus's fields (its parquet files' chunks are rows of them, read by `records`)."""
     for path in sorted(files):
         kind = document_format(path)
-        if kind == ".parquet":
+        if kind == ".parquet" and columns:
+            yield from _parquet_rows(path, columns)
+        elif kind == ".parquet":
             yield from _parquet_chunks(path, text_field)
+        elif kind == ".txt" and columns:
+            raise DataError(f"{path}: a fine-tuning corpus (data.format) is JSON lines or parquet records, not "
+                            "plain text")
         elif kind == ".jsonl":
             # Byte ranges of whole lines: the task reads its own range, so no text passes through this process.
             with path.open("rb") as handle:
@@ -106,6 +112,35 @@ def documents(chunk: Chunk, text_field: str) -> Iterable[str]:
         for block in chunk.payload.split("\n\n"):
             if block.strip():
                 yield block.strip()
+
+
+def records(chunk: Chunk) -> Iterator[tuple[str, Any]]:
+    """The records of one task of a fine-tuning corpus, in order: (where it is: file:line or file row n, the parsed
+    JSON value or the parquet row). A line that is no JSON is a DataError (the file is not a corpus of records)."""
+    if chunk.kind == "rows":
+        for offset, row in enumerate(chunk.payload):
+            yield f"{chunk.path} row {chunk.start + offset}", row
+        return
+    if chunk.kind == "jsonl":
+        with chunk.path.open("rb") as handle:
+            handle.seek(chunk.start)
+            data = handle.read(chunk.payload - chunk.start)
+        first = _line_number(chunk.path, chunk.start)
+    else:
+        data, first = chunk.payload, chunk.start
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = first + data.count(b"\n", 0, err.start)
+        raise DataError(f"{chunk.path}:{line}: not UTF-8 text ({err.reason})") from err
+    for index, line in enumerate(io.StringIO(text, newline=None)):
+        if not line.strip():
+            continue
+        try:
+            record = _json(line)
+        except ValueError as err:
+            raise DataError(f"{chunk.path}:{first + index}: not a JSON object ({err})") from err
+        yield f"{chunk.path}:{first + index}", record
 
 
 def read_documents(files: list[Path], text_field: str = "text") -> Iterable[str]:
@@ -168,6 +203,26 @@ def _parquet_chunks(path: Path, text_field: str) -> Iterator[Chunk]:
                             "data.text_field (or the corpus's text_field) to the column with the text")
         for batch in parquet.iter_batches(columns=[text_field], batch_size=4096):
             yield Chunk("texts", path, 0, [text for text in batch.column(0).to_pylist() if text])
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable parquet file: {err}") from err
+
+
+def _parquet_rows(path: Path, columns: tuple[str, ...]) -> Iterator[Chunk]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        missing = [name for name in columns if name not in names]
+        if missing:
+            raise DataError(f"{path}: no {missing[0]!r} column (the fine-tuning fields data.messages_field, "
+                            f"data.prompt_field, data.completion_field); its columns: {names}")
+        row = 0
+        for batch in parquet.iter_batches(columns=list(columns), batch_size=1024):
+            rows = batch.to_pylist()
+            yield Chunk("rows", path, row, rows)
+            row += len(rows)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable parquet file: {err}") from err
 

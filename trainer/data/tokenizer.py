@@ -131,6 +131,14 @@ class LoadedTokenizer:
                                 clean_up_tokenization_spaces=False).save_pretrained(str(out_dir))
 
 
+def document_start_token(loaded: LoadedTokenizer) -> int:
+    """The token each document of the shards begins with (data.document_mask restarts positions there)."""
+    if loaded.bos_id is None:
+        raise TokenizerError(f"data.document_mask: the tokenizer {loaded.name} has no BOS token, which marks where "
+                             "each document of a window begins: turn data.document_mask off")
+    return loaded.bos_id
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, as ``transformers.convert_slow_tokenizer.bytes_to_unicode``
     builds it (tests/unit/test_data.py compares the two): what the ByteLevel pre-tokenizer maps bytes to."""

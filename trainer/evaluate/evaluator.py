@@ -34,7 +34,8 @@ from trainer.checkpoint.export_store import (ExportIncomplete, ExportStoreError,
 from trainer.checkpoint.hf_export import EXPORT_DTYPES, write_hf_export
 from trainer.config import Config
 from trainer.config.rules import is_s3_uri
-from trainer.data.tokenizer import load_tokenizer
+from trainer.data.shards import load_meta
+from trainer.data.tokenizer import document_start_token, load_tokenizer
 from trainer.evaluate.heldout import Ranks, generate, heldout_loss, heldout_windows
 from trainer.evaluate.tasks import TaskContext, run_tasks
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
@@ -70,6 +71,10 @@ class Evaluator:
             dist.all_gather_object(errors, error)
         return next((e for e in errors if e), None)
 
+    def _document_start(self) -> int | None:
+        """The BOS where each held-out document begins, when training masks documents (data.document_mask)."""
+        return document_start_token(load_tokenizer(self.tokenizer_spec)) if self.cfg.data.document_mask else None
+
     def periodic(self, step: int) -> dict[str, float]:
         every = self.cfg.eval.every_steps
         if not every or step % every:
@@ -78,7 +83,8 @@ class Evaluator:
         if self._val_windows is None:
             try:
                 self._val_windows = heldout_windows(self.data_dir, self.cfg.training.seq_len,
-                                                    self.cfg.eval.batch_size, self.cfg.eval.val_batches)
+                                                    self.cfg.eval.batch_size, self.cfg.eval.val_batches,
+                                                    self._document_start())
             except ValueError as err:  # the same data on every rank: every rank stops validating alike
                 log.warning("periodic validation is off for this launch: %s", err)
                 self._val_windows = False
@@ -114,7 +120,7 @@ class Evaluator:
         windows, no_windows = None, None
         try:
             windows = heldout_windows(self.data_dir, self.cfg.training.seq_len, self.cfg.eval.batch_size,
-                                      self.cfg.eval.max_batches)
+                                      self.cfg.eval.max_batches, self._document_start())
         except ValueError as err:  # no held-out window: nothing to compare by, but the model is still exported
             no_windows = str(err)
             log.error("no held-out evaluation of step %d: %s", step, err)
@@ -167,8 +173,9 @@ class Evaluator:
         folder = self.run_dir.export_staging / f"step-{step:06d}" if to_s3 else Path(uri)
         error = None
         try:
+            stops = (load_meta(self.data_dir).get("conversations") or {}).get("end_of_turn_ids", [])
             figures = write_hf_export(self.model, self.model.config, self.tokenizer_spec, folder,
-                                      dtype=EXPORT_DTYPES[eval_cfg.export_dtype],
+                                      dtype=EXPORT_DTYPES[eval_cfg.export_dtype], end_of_turn_ids=stops,
                                       max_file_bytes=int(eval_cfg.export_max_file_gb * 1e9))
             if to_s3:
                 figures["upload"] = upload_share(folder, uri, self.ranks.rank, self.ranks.world_size,

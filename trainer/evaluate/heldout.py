@@ -46,20 +46,28 @@ class Ranks:
 @dataclass(frozen=True)
 class Windows:
     inputs: np.ndarray  # [windows, seq_len] token ids
-    targets: np.ndarray  # [windows, seq_len] the next token of each position
+    targets: np.ndarray  # [windows, seq_len] the next token of each position (IGNORE: no target)
     fingerprint: str  # the windows' content: two evaluations with the same fingerprint are comparable
+    positions: np.ndarray | None = None  # [windows, seq_len] where documents are masked (fine-tuning rows)
 
 
-def heldout_windows(data_dir: Path, seq_len: int, batch_size: int, max_batches: int) -> Windows:
-    """The held-out split's first max_batches x batch_size windows (trainer.data.batches: fixed, unpermuted)."""
+def heldout_windows(data_dir: Path, seq_len: int, batch_size: int, max_batches: int,
+                    document_start: int | None = None) -> Windows:
+    """The held-out split's first max_batches x batch_size windows (trainer.data.batches: fixed, unpermuted);
+    document_start: the BOS of data.document_mask."""
     batches = TokenBatches.open(Path(data_dir), "val", seq_len, batch_size, seed=0)
+    batches.document_start = document_start
     pairs = list(batches.sequential(max_batches))
     if not pairs:
         raise ValueError(f"{data_dir}: the held-out split has no complete window of {seq_len + 1} tokens")
     inputs = np.concatenate([p[0] for p in pairs]).astype(np.int64)
     targets = np.concatenate([p[1] for p in pairs]).astype(np.int64)
-    digest = hashlib.sha256(inputs.tobytes() + targets[:, -1].tobytes()).hexdigest()[:16]
-    return Windows(inputs, targets, f"{inputs.shape[0]}x{seq_len}-{digest}")
+    positions = np.concatenate([p[2] for p in pairs]).astype(np.int64) if len(pairs[0]) > 2 else None
+    content = inputs.tobytes() + targets[:, -1].tobytes()
+    if positions is not None:  # which targets count, and where documents begin
+        content += targets.tobytes() + positions.tobytes()
+    digest = hashlib.sha256(content).hexdigest()[:16]
+    return Windows(inputs, targets, f"{inputs.shape[0]}x{seq_len}-{digest}", positions)
 
 
 def _rounds(count: int, ranks: Ranks) -> int:
@@ -84,9 +92,12 @@ def heldout_loss(model: torch.nn.Module, windows: Windows, ranks: Ranks) -> dict
             rows = rows if len(rows) else np.arange(1)  # this rank takes part in the collective forward
             inputs = torch.from_numpy(windows.inputs[rows]).to(ranks.device)
             targets = torch.from_numpy(windows.targets[rows]).to(ranks.device)
-            loss = model(input_ids=inputs, targets=targets, loss_reduction="sum", loss_chunk=ranks.loss_chunk)
+            extra = ({} if windows.positions is None else
+                     {"position_ids": torch.from_numpy(windows.positions[rows]).to(ranks.device)})
+            loss = model(input_ids=inputs, targets=targets, loss_reduction="sum", loss_chunk=ranks.loss_chunk,
+                         **extra)
             totals[0] += weight * loss.double()
-            totals[1] += weight * targets.numel()
+            totals[1] += weight * (targets != IGNORE).sum()
     ranks.all_reduce(totals)
     seconds = time.perf_counter() - started
     mean = float(totals[0] / totals[1])

@@ -37,7 +37,7 @@ from trainer.config import Config
 from trainer.config.rules import is_s3_uri
 from trainer.data.batches import TokenBatches
 from trainer.data.shards import load_meta
-from trainer.data.tokenizer import load_tokenizer
+from trainer.data.tokenizer import document_start_token, load_tokenizer
 from trainer.env import (GENERATION_ENV, IN_PROCESS_ITERATION_ENV, NODE_GENERATION_ENV, NODE_INDEX_ENV, NODE_RANK_ENV,
                          NODE_REPLACEMENT_ENV, NODE_STORE_ENV, RESTART_COUNT_ENV)
 from trainer.evaluate.evaluator import Evaluator
@@ -146,6 +146,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     optimizer = build_optimizer(model, cfg.training, cfg.optimizer, device)
     initialize_state(optimizer)
     batches = TokenBatches.open(data_dir, "train", cfg.training.seq_len, cfg.training.batch_size, cfg.run.seed)
+    if cfg.data.document_mask:
+        batches.document_start = document_start_token(tokenizer)
     timer.done("optimizer_and_data")
 
     telemetry = Telemetry(cfg.training.prometheus_port, cfg.run.run_id, rank)

@@ -36,18 +36,22 @@ def forward_backward(model: torch.nn.Module, micro_batches: list[tuple[np.ndarra
     that: averaged over micro-batches and ranks alike, the job's sum over the job's count."""
     t = training_cfg
     loss_sum = torch.zeros((), device=device)
-    per_micro = None if job_targets is None else job_targets(sum(int((labels != IGNORE).sum())
-                                                                for _, labels in micro_batches))
+    per_micro = None if job_targets is None else job_targets(sum(int((batch[1] != IGNORE).sum())
+                                                                for batch in micro_batches))
     # per_step: the micro-batches before the last accumulate unsharded gradients, and the last one's backward
     # reduce-scatters their sum once (training.reduce_gradients).
     once = t.reduce_gradients == "per_step" and len(micro_batches) > 1 and hasattr(model, "set_requires_gradient_sync")
-    for index, (inputs, labels) in enumerate(micro_batches):
+    for index, (inputs, labels, *positions) in enumerate(micro_batches):
         if once:
             model.set_requires_gradient_sync(index == len(micro_batches) - 1)
         inputs = torch.from_numpy(inputs).to(device)
         labels = torch.from_numpy(labels).to(device)
-        loss = (model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk) if per_micro is None else
-                model(input_ids=inputs, targets=labels, loss_reduction="sum", loss_chunk=t.loss_chunk) / per_micro)
+        # documents packed in a row: positions restart at each, and transformers masks attention to runs of
+        # consecutive positions (its packed-sequence mask; flash attention's varlen path)
+        extra = {"position_ids": torch.from_numpy(positions[0]).to(device)} if positions else {}
+        loss = (model(input_ids=inputs, targets=labels, loss_chunk=t.loss_chunk, **extra) if per_micro is None else
+                model(input_ids=inputs, targets=labels, loss_reduction="sum", loss_chunk=t.loss_chunk, **extra)
+                / per_micro)
         loss = drills.poison(loss, first_sample, global_batch)
         (loss / t.grad_accum_steps).backward()
         loss_sum += loss.detach()

@@ -51,7 +51,9 @@ def _with_chunked_loss(base: type) -> type:
     def forward(self, input_ids=None, targets=None, loss_reduction: str = "mean", loss_chunk: int = 1024, **kwargs):
         if targets is None:
             return base.forward(self, input_ids=input_ids, **kwargs)
-        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        # No KV cache: a loss never decodes further, and transformers keeps packed documents apart (its mask from
+        # position_ids) only without one
+        hidden = self.model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
         return chunked_cross_entropy(hidden, self.lm_head, targets, loss_chunk, loss_reduction)
 
     forward.__doc__ = (f"{base.__name__}'s forward; given `targets` (the next token of each position: labels "

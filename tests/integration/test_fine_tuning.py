@@ -1,0 +1,183 @@
+"""Fine-tuning on conversations (data.format chat / prompt_completion): staged from jsonl, jsonl.gz and parquet,
+rendered by the tokenizer's chat template, the assistant's turns the only targets, packed without cross-talk; and a
+real 2-rank run that learns an answer only from the assistant's turns."""
+
+import gzip
+import json
+import random
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from components.train.local import run_local_training
+from tests.base_model import train_tokenizer
+from trainer.data.batches import IGNORE, TokenBatches
+from trainer.data.shards import DataError, tokenize_files
+from trainer.data.tokenizer import load_tokenizer
+from trainer.run.run_dir import RunDir, read_json, read_jsonl
+
+pytestmark = pytest.mark.integration
+
+ANSWER = "The answer is forty two."
+SEQ_LEN = 128
+
+
+def _conversation(rng: random.Random) -> dict:
+    """A user turn of random letters (nothing to learn) and always the same answer."""
+    question = "".join(rng.choice(string.ascii_lowercase + " ") for _ in range(rng.randint(8, 24)))
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": ANSWER}]}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    rng = random.Random(0)
+    train_tokenizer([ANSWER] * 20 + [_conversation(rng)["messages"][0]["content"] for _ in range(200)]
+                    ).save_pretrained(folder)
+    return str(folder)
+
+
+def _corpus(folder: Path, records: int, seed: int = 0) -> list[Path]:
+    """The records over a .jsonl, a .jsonl.gz and a .parquet file (a messages column of list<struct>)."""
+    rng = random.Random(seed)
+    conversations = [_conversation(rng) for _ in range(records)]
+    third = records // 3
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "a.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations[:third]))
+    with gzip.open(folder / "b.jsonl.gz", "wt") as handle:
+        handle.write("".join(json.dumps(c) + "\n" for c in conversations[third:2 * third]))
+    pq.write_table(pa.Table.from_pylist(conversations[2 * third:]), folder / "c.parquet")
+    return sorted(folder.iterdir())
+
+
+def test_a_chat_corpus_is_staged_into_packed_rows_whose_targets_are_the_assistants_turns(tmp_path, chat_tokenizer):
+    from trainer.config.data import DataConfig
+
+    files = _corpus(tmp_path / "raw", 300)
+    fmt = DataConfig(format="chat").conversation_format(SEQ_LEN)
+    meta = tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer, conversations=fmt)
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    assert train["documents"] + val["documents"] == 300 and val["documents"] > 0
+    assert meta["conversations"] == {"format": "chat", "seq_len": SEQ_LEN, "loss_on": "assistant", "too_long": "drop",
+                                   "end_of_turn_ids": [load_tokenizer(chat_tokenizer).tokenizer.token_to_id("<|eot_id|>")]}
+    # packing: several conversations a row, far less padding than one a row
+    unpacked = 1 - train["conversation_tokens"] / (train["documents"] * (SEQ_LEN + 1))
+    packed = 1 - train["conversation_tokens"] / train["tokens"]
+    print(f"padding share of the rows: {unpacked:.3f} one conversation a row, {packed:.3f} packed")
+    assert train["rows"] < train["documents"] / 1.5 and packed < unpacked / 2
+
+    loaded = load_tokenizer(chat_tokenizer)
+    batches = TokenBatches.open(tmp_path / "tokens", "train", SEQ_LEN, batch_size=4, seed=1)
+    assert batches.masks_targets
+    inputs, labels, positions = batches.samples(np.arange(8))
+    assert inputs.shape == labels.shape == positions.shape == (8, SEQ_LEN)
+    for row_labels, row_positions in zip(labels, positions):
+        targets = loaded.tokenizer.decode(row_labels[row_labels != IGNORE].tolist(), skip_special_tokens=False)
+        conversations = int((row_positions == 0).sum())  # each starts at position 0 (and so does the padding)
+        assert targets.count(ANSWER + "<|eot_id|>") in (conversations, conversations - 1)
+        assert targets.replace(ANSWER + "<|eot_id|>", "") == ""  # no user or template token is a target
+    assert int((labels != IGNORE).sum()) > 0 and (positions[:, 0] == 0).all()
+
+
+def test_bad_records_fail_naming_the_file_and_line_or_are_skipped_and_counted(tmp_path, chat_tokenizer):
+    from trainer.config.data import DataConfig
+
+    raw = tmp_path / "raw"
+    files = _corpus(raw, 30)
+    lines = (raw / "a.jsonl").read_text().splitlines()
+    lines[3] = json.dumps({"messages": [{"role": "user", "content": "no answer"}]})
+    lines[6] = json.dumps({"text": "a pre-training document"})
+    lines[7] = json.dumps({"messages": [{"role": "user", "content": "x " * 400}, {"role": "assistant",
+                                                                                  "content": ANSWER}]})
+    (raw / "a.jsonl").write_text("\n".join(lines) + "\n")
+
+    with pytest.raises(DataError, match=r"a\.jsonl:4: the 'messages' field has no assistant turn.*data\.bad_records"):
+        tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer,
+                       conversations=DataConfig(format="chat").conversation_format(SEQ_LEN))
+    assert not (tmp_path / "tokens" / "tokens.json").exists()
+
+    meta = tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer, conversations=DataConfig(
+        format="chat", bad_records="skip").conversation_format(SEQ_LEN))
+    counts = {key: meta["splits"]["train"][key] + meta["splits"]["val"][key]
+              for key in ("documents", "bad_records", "dropped", "truncated")}
+    assert counts == {"documents": 27, "bad_records": 2, "dropped": 1, "truncated": 0}
+
+    meta = tokenize_files(files, tmp_path / "truncated", 0.1, chat_tokenizer, conversations=DataConfig(
+        format="chat", bad_records="skip", too_long="truncate", loss_on="all").conversation_format(SEQ_LEN))
+    assert sum(meta["splits"][s]["truncated"] for s in ("train", "val")) == 1
+    assert sum(meta["splits"][s]["documents"] for s in ("train", "val")) == 28
+
+
+def test_prompt_completion_pairs_target_the_completion(tmp_path, chat_tokenizer):
+    from trainer.config.data import DataConfig
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = random.Random(3)
+    (raw / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": "".join(rng.choice("abc ") for _ in range(10)), "completion": " " + ANSWER}) + "\n"
+        for _ in range(60)))
+    tokenize_files([raw / "pairs.jsonl"], tmp_path / "tokens", 0.1, chat_tokenizer,
+                   conversations=DataConfig(format="prompt_completion").conversation_format(SEQ_LEN))
+    loaded = load_tokenizer(chat_tokenizer)
+    _, labels, _ = TokenBatches.open(tmp_path / "tokens", "train", SEQ_LEN, 2, seed=0).samples(np.arange(4))
+    for row in labels:
+        targets = loaded.tokenizer.decode(row[row != IGNORE].tolist(), skip_special_tokens=False)
+        assert targets and targets.replace(" " + ANSWER + "<|end_of_text|>", "") == ""
+
+
+PLAIN_CHAT = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder, questions = sys.argv[1], json.loads(sys.argv[2])
+tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+answers = []
+for question in questions:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=24, do_sample=False)
+    answers.append(tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_a_fine_tuned_model_answers_through_its_chat_template_only_from_the_assistants_turns(
+        loss_on, tmp_path, chat_tokenizer, training_config):
+    """Targets on the assistant's turns only: the loss falls near 0 (the answer is always the same) and the export,
+    prompted through its chat template in plain transformers, answers it. On every token (loss_on=all) the random
+    user turns keep the loss far from 0."""
+    steps = 60
+    cfg = training_config(tmp_path, f"sft-{loss_on}", "--data.format=chat", f"--data.loss_on={loss_on}",
+                          f"--data.tokenizer={chat_tokenizer}", f"--training.seq_len={SEQ_LEN}",
+                          f"--training.num_steps={steps}", f"--checkpoint.interval_steps={steps}",
+                          "--training.lr=3e-3", "--faults.schedule=", "--resilience.straggler_interval=0")
+    tokens = cfg.fsx_root / "datasets" / "chat"
+    tokenize_files(_corpus(tmp_path / "raw", 400), tokens, 0.1, chat_tokenizer,
+                   conversations=cfg.data.conversation_format(SEQ_LEN))
+
+    assert run_local_training(cfg, tokens)["steps"] == steps
+    losses = [r["loss"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl") if "loss" in r]
+    final = float(np.mean(losses[-5:]))
+    record = read_json(RunDir(cfg.run_dir).evaluation(steps))
+    if loss_on == "all":
+        assert final > 1.0, losses
+        return
+    assert final < 0.05, losses
+    assert record["candidate"]["heldout_loss"] < 0.05  # the held-out conversations' assistant turns
+    export = Path(record["export"]["uri"])
+    questions = ["xkq mz pwo", "hello who are you", "qqqq"]
+    proc = subprocess.run([sys.executable, "-c", PLAIN_CHAT, str(export), json.dumps(questions)], cwd=tmp_path,
+                          capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout) == [ANSWER] * 3
