@@ -6,8 +6,8 @@ Each prefix goes under ``<fsx_root>/models/<last segment of the prefix>-<hash of
 by the same machinery as a corpus (copy or DRA, incremental, verified against S3's checksums, hostile keys
 refused), then ``stage-manifest.json`` (the objects, the URI, the content hash). A base model is also converted
 once: its config.json checked as a family we build (llama, mistral, qwen2, qwen3), every safetensors file parsed
-and checked against it, the files hashed (``weights-index.json``, trainer.model.base) — unchanged files keep their digests, so a re-stage of the same
-weights reads nothing again. The trainer then reads each rank's shard straight from the staged files. A tokenizer
+and checked against it, the files hashed (``weights-index.json``, trainer.model.base) — unchanged files keep their
+digests, so a re-stage of the same weights reads nothing again. The trainer then reads each rank's shard straight from the staged files. A tokenizer
 is loaded once to prove it loads; it must be the base model's (trainer.model.base.check_tokenizer_fits: its ids
 within the model's vocabulary, its BOS/EOS/PAD the ids the model's config names), checked here, naming both values.
 Unless data.tokenizer names another, the tokenizer is the base model's own, from the same prefix.

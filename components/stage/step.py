@@ -25,6 +25,7 @@ from components.stage.shards import collect_shards, dataset_lock, tokenize_group
 from components.stage.staging import STAGE_ERROR, STAGE_MANIFEST, make_folder, stage_dataset
 from trainer.config import Config, DatasetConfig
 from trainer.config.rules import InputError
+from trainer.data.conversations import conversation_format
 from trainer.data.tokenizer import load_tokenizer
 from trainer.run.run_dir import read_json, write_json
 
@@ -66,7 +67,7 @@ def run_stage(cfg: Config, data_fingerprint: str = "", *, tokenize: bool = True)
                      "content_hash": load_tokenizer(cfg.tokenizer_spec).content_hash()}
         manifests = [stage_dataset(cfg.data, cfg.dataset_dir_of(source.name), cfg.fsx_root, tokenize=tokenize,
                                    source=source, tokenizer=cfg.tokenizer_spec, field=_field_of(cfg, index),
-                                   conversations=cfg.data.conversation_format(cfg.training.seq_len))
+                                   conversations=conversation_format(cfg.data, cfg.training.seq_len))
                      for index, source in enumerate(cfg.data.sources())]
         manifest_hash = (manifests[0]["manifest_hash"] if not cfg.data.mixed else hashlib.sha256(json.dumps(
             [[m["dataset"], m["weight"], m["manifest_hash"]] for m in manifests]).encode()).hexdigest())
@@ -139,7 +140,7 @@ def run_tokenize_shard(cfg: Config, group: dict[str, Any]) -> dict[str, Any]:
     dataset_dir = cfg.dataset_dir_of(source.name)
     with recording_stage_error(cfg), dataset_lock(dataset_dir, shared=True):
         return {**tokenize_group(group, dataset_dir, cfg.data.val_fraction, cfg.tokenizer_spec, source.text_field,
-                                 cfg.data.conversation_format(cfg.training.seq_len)),
+                                 conversation_format(cfg.data, cfg.training.seq_len)),
                 "dataset": source.name}
 
 
@@ -155,7 +156,7 @@ def run_collect_shards(cfg: Config, shards: list[dict[str, Any]], staged: dict[s
                 mine = [shard for shard in shards if shard["dataset"] == source.name]
                 summary["tokens"] = collect_shards(mine, dataset_dir, cfg.data.val_fraction, cfg.tokenizer_spec,
                                                    source.text_field,
-                                                   cfg.data.conversation_format(cfg.training.seq_len))
+                                                   conversation_format(cfg.data, cfg.training.seq_len))
                 manifest_path = dataset_dir / STAGE_MANIFEST
                 manifest = read_json(manifest_path)
                 if manifest is None or manifest.get("manifest_hash") != summary["manifest_hash"]:

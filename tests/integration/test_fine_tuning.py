@@ -17,7 +17,9 @@ import pytest
 
 from components.train.local import run_local_training
 from tests.base_model import train_tokenizer
+from trainer.config.data import DataConfig
 from trainer.data.batches import IGNORE, TokenBatches
+from trainer.data.conversations import conversation_format
 from trainer.data.shards import DataError, tokenize_files
 from trainer.data.tokenizer import load_tokenizer
 from trainer.run.run_dir import RunDir, read_json, read_jsonl
@@ -57,15 +59,14 @@ def _corpus(folder: Path, records: int, seed: int = 0) -> list[Path]:
 
 
 def test_a_chat_corpus_is_staged_into_packed_rows_whose_targets_are_the_assistants_turns(tmp_path, chat_tokenizer):
-    from trainer.config.data import DataConfig
-
     files = _corpus(tmp_path / "raw", 300)
-    fmt = DataConfig(format="chat").conversation_format(SEQ_LEN)
+    fmt = conversation_format(DataConfig(format="chat"), SEQ_LEN)
     meta = tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer, conversations=fmt)
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     assert train["documents"] + val["documents"] == 300 and val["documents"] > 0
+    end_of_turn = load_tokenizer(chat_tokenizer).tokenizer.token_to_id("<|eot_id|>")
     assert meta["conversations"] == {"format": "chat", "seq_len": SEQ_LEN, "loss_on": "assistant", "too_long": "drop",
-                                   "end_of_turn_ids": [load_tokenizer(chat_tokenizer).tokenizer.token_to_id("<|eot_id|>")]}
+                                     "end_of_turn_ids": [end_of_turn]}
     # packing: several conversations a row, far less padding than one a row
     unpacked = 1 - train["conversation_tokens"] / (train["documents"] * (SEQ_LEN + 1))
     packed = 1 - train["conversation_tokens"] / train["tokens"]
@@ -86,8 +87,6 @@ def test_a_chat_corpus_is_staged_into_packed_rows_whose_targets_are_the_assistan
 
 
 def test_bad_records_fail_naming_the_file_and_line_or_are_skipped_and_counted(tmp_path, chat_tokenizer):
-    from trainer.config.data import DataConfig
-
     raw = tmp_path / "raw"
     files = _corpus(raw, 30)
     lines = (raw / "a.jsonl").read_text().splitlines()
@@ -99,24 +98,23 @@ def test_bad_records_fail_naming_the_file_and_line_or_are_skipped_and_counted(tm
 
     with pytest.raises(DataError, match=r"a\.jsonl:4: the 'messages' field has no assistant turn.*data\.bad_records"):
         tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer,
-                       conversations=DataConfig(format="chat").conversation_format(SEQ_LEN))
+                       conversations=conversation_format(DataConfig(format="chat"), SEQ_LEN))
     assert not (tmp_path / "tokens" / "tokens.json").exists()
 
-    meta = tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer, conversations=DataConfig(
-        format="chat", bad_records="skip").conversation_format(SEQ_LEN))
+    skipping = conversation_format(DataConfig(format="chat", bad_records="skip"), SEQ_LEN)
+    meta = tokenize_files(files, tmp_path / "tokens", 0.1, chat_tokenizer, conversations=skipping)
     counts = {key: meta["splits"]["train"][key] + meta["splits"]["val"][key]
               for key in ("documents", "bad_records", "dropped", "truncated")}
     assert counts == {"documents": 27, "bad_records": 2, "dropped": 1, "truncated": 0}
 
-    meta = tokenize_files(files, tmp_path / "truncated", 0.1, chat_tokenizer, conversations=DataConfig(
-        format="chat", bad_records="skip", too_long="truncate", loss_on="all").conversation_format(SEQ_LEN))
+    truncating = conversation_format(DataConfig(format="chat", bad_records="skip", too_long="truncate", loss_on="all"),
+                                     SEQ_LEN)
+    meta = tokenize_files(files, tmp_path / "truncated", 0.1, chat_tokenizer, conversations=truncating)
     assert sum(meta["splits"][s]["truncated"] for s in ("train", "val")) == 1
     assert sum(meta["splits"][s]["documents"] for s in ("train", "val")) == 28
 
 
 def test_prompt_completion_pairs_target_the_completion(tmp_path, chat_tokenizer):
-    from trainer.config.data import DataConfig
-
     raw = tmp_path / "raw"
     raw.mkdir()
     rng = random.Random(3)
@@ -124,7 +122,7 @@ def test_prompt_completion_pairs_target_the_completion(tmp_path, chat_tokenizer)
         json.dumps({"prompt": "".join(rng.choice("abc ") for _ in range(10)), "completion": " " + ANSWER}) + "\n"
         for _ in range(60)))
     tokenize_files([raw / "pairs.jsonl"], tmp_path / "tokens", 0.1, chat_tokenizer,
-                   conversations=DataConfig(format="prompt_completion").conversation_format(SEQ_LEN))
+                   conversations=conversation_format(DataConfig(format="prompt_completion"), SEQ_LEN))
     loaded = load_tokenizer(chat_tokenizer)
     _, labels, _ = TokenBatches.open(tmp_path / "tokens", "train", SEQ_LEN, 2, seed=0).samples(np.arange(4))
     for row in labels:
@@ -164,7 +162,7 @@ def test_a_fine_tuned_model_answers_through_its_chat_template_only_from_the_assi
                           "--training.lr=3e-3", "--faults.schedule=", "--resilience.straggler_interval=0")
     tokens = cfg.fsx_root / "datasets" / "chat"
     tokenize_files(_corpus(tmp_path / "raw", 400), tokens, 0.1, chat_tokenizer,
-                   conversations=cfg.data.conversation_format(SEQ_LEN))
+                   conversations=conversation_format(cfg.data, SEQ_LEN))
 
     assert run_local_training(cfg, tokens)["steps"] == steps
     losses = [r["loss"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl") if "loss" in r]

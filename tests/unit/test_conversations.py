@@ -61,7 +61,8 @@ def test_the_targets_are_each_assistant_turn_through_its_end_of_turn_in_a_llama3
     fmt = ConversationFormat("chat", 256)
     rendered = render({"messages": CONVERSATION}, chat_template(folders["llama3"]), fmt)
     assert [rendered.text[a:b] for a, b in rendered.spans] == ["Hello.<|eot_id|>", "Well, thanks.<|eot_id|>"]
-    assert _targets_text(folders["llama3"], {"messages": CONVERSATION}, fmt) == "Hello.<|eot_id|>Well, thanks.<|eot_id|>"
+    targets = _targets_text(folders["llama3"], {"messages": CONVERSATION}, fmt)
+    assert targets == "Hello.<|eot_id|>Well, thanks.<|eot_id|>"
 
 
 def test_a_qwen3_template_that_renders_the_last_turn_apart_still_gives_each_turns_targets(folders):

@@ -175,7 +175,8 @@ class DataConfig:
         require(self.bad_records in ("fail", "skip"), "data.bad_records", "must be 'fail' or 'skip'")
         for name in ("messages_field", "prompt_field", "completion_field"):
             require(bool(getattr(self, name).strip()), f"data.{name}", "must name a JSONL key / parquet column")
-        require(self.prompt_field != self.completion_field, "data.completion_field", "must differ from data.prompt_field")
+        require(self.prompt_field != self.completion_field, "data.completion_field",
+                "must differ from data.prompt_field")
         require(self.on_mixture_change in ("refuse", "new_phase"), "data.on_mixture_change",
                 "must be 'refuse' or 'new_phase'")
         check_s3_uri(self.s3_uri, "data.s3_uri")
@@ -205,15 +206,6 @@ class DataConfig:
     def fine_tuning(self) -> bool:
         """Records of conversations or prompt/completion pairs, packed with targets masked (not raw text)."""
         return self.format != "text"
-
-    def conversation_format(self, seq_len: int):
-        """How the stage step tokenizes a fine-tuning corpus (None for text)."""
-        if not self.fine_tuning:
-            return None
-        from trainer.data.conversations import ConversationFormat
-
-        return ConversationFormat(self.format, seq_len, self.messages_field, self.prompt_field, self.completion_field,
-                                  self.loss_on, self.too_long, self.bad_records)
 
     @property
     def mixed(self) -> bool:

@@ -70,6 +70,14 @@ class Rendered:
     templated: bool = True  # rendered by the chat template (else plain prompt + completion, framed BOS ... EOS)
 
 
+def conversation_format(data, seq_len: int) -> ConversationFormat | None:
+    """How the stage step tokenizes the corpus of a data section (trainer.config.data): None for text."""
+    if not data.fine_tuning:
+        return None
+    return ConversationFormat(data.format, seq_len, data.messages_field, data.prompt_field, data.completion_field,
+                              data.loss_on, data.too_long, data.bad_records)
+
+
 def messages_of(record: Any, fmt: ConversationFormat) -> list[dict[str, Any]] | tuple[str, str]:
     """The record's conversation (a list of {role, content}), or a (prompt, completion) pair of plain text."""
     if not isinstance(record, dict):

@@ -208,6 +208,7 @@ def _parquet_chunks(path: Path, text_field: str) -> Iterator[Chunk]:
 
 
 def _parquet_rows(path: Path, columns: tuple[str, ...]) -> Iterator[Chunk]:
+    # pyarrow only here: only the stage step reads .parquet, and the trainer image does not have it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
