@@ -1,5 +1,6 @@
 """What a real EKS cluster would refuse, encoded as its own rules (each test cites where the rule comes
-from), for each overlay with the config that targets it: pipelines/configs/eks-<overlay>.yaml.
+from), for each overlay with the config that targets it: pipelines/configs/eks-<overlay>.yaml (and eks-sft.yaml, the
+fine-tuning job on the prod cluster).
 
 Schemas prove shape; these prove that the first `submit` can run: the pipeline's ServiceAccount has what
 Kubeflow Pipelines and the launcher need where they need it, every pod passes its namespace's Pod Security
@@ -24,16 +25,19 @@ from tests.pod_security import violations
 from trainer.config import load_config
 
 OVERLAYS = ["dev", "prod", "cpt"]
+# Each EKS config and the overlay of the cluster it runs on (eks-<name>.yaml; the fine-tuning job shares prod's).
+CONFIG_CLUSTERS = {"dev": "dev", "prod": "prod", "cpt": "cpt", "sft": "prod"}
 # What the stage step puts on FSx before a TrainJob is built: the base model's config.json, which sizes the job.
 STAGED_BASE_CONFIG = ROOT / "tests" / "data" / "llama-3.1-8b"
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
+@pytest.fixture(scope="module", params=sorted(CONFIG_CLUSTERS))
 def cluster(request):
     """(overlay name, its built objects, the EKS config that targets it)."""
     staged = [f"--model.init_from={STAGED_BASE_CONFIG}"] if request.param != "dev" else []
     cfg = load_config(ROOT / "pipelines" / "configs" / f"eks-{request.param}.yaml", ["--run.run_id=first-run", *staged])
-    return request.param, build(MANIFESTS / "overlays" / request.param), cfg
+    overlay = CONFIG_CLUSTERS[request.param]
+    return overlay, build(MANIFESTS / "overlays" / overlay), cfg
 
 
 def one(objects, kind, name, namespace=None):

@@ -130,15 +130,17 @@ def test_prod_sizes_and_gang_admission(built):
 
 
 # The prod and cpt configs' base model as the stage step leaves it on FSx (its config.json sizes the TrainJob).
-STAGED = {name: [f"--model.init_from={ROOT / 'tests' / 'data' / 'llama-3.1-8b'}"] for name in ("prod", "cpt")}
+STAGED = {name: [f"--model.init_from={ROOT / 'tests' / 'data' / 'llama-3.1-8b'}"] for name in ("prod", "cpt", "sft")}
+OVERLAY_OF = {"sft": "prod"}  # the fine-tuning job runs on the prod cluster
 
 
-@pytest.mark.parametrize("overlay", ["prod", "cpt"])
-def test_the_launchers_trainjob_matches_the_runtime(overlay):
+@pytest.mark.parametrize("config", ["prod", "cpt", "sft"])
+def test_the_launchers_trainjob_matches_the_runtime(config):
     from components.train.trainjob import build_trainjob
     from trainer.config import load_config
 
-    cfg = load_config(f"pipelines/configs/eks-{overlay}.yaml", ["--run.run_id=x", *STAGED.get(overlay, [])])
+    cfg = load_config(f"pipelines/configs/eks-{config}.yaml", ["--run.run_id=x", *STAGED.get(config, [])])
+    overlay = OVERLAY_OF.get(config, config)
     job = build_trainjob(cfg, "/fsx/datasets/v1")
     objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(kustomize(MANIFESTS / "overlays" / overlay)) if o}
     assert ("ClusterTrainingRuntime", job["spec"]["runtimeRef"]["name"]) in objects
@@ -148,15 +150,16 @@ def test_the_launchers_trainjob_matches_the_runtime(overlay):
     assert ("ServiceAccount", cfg.kubernetes.pipeline_service_account) in objects
 
 
-@pytest.mark.parametrize("overlay", ["dev", "prod", "cpt"])
-def test_kueue_admits_each_configs_trainjob_within_its_clusters_quota(overlay):
+@pytest.mark.parametrize("config", ["dev", "prod", "cpt", "sft"])
+def test_kueue_admits_each_configs_trainjob_within_its_clusters_quota(config):
     """Kueue admits a workload only when every resource it requests is covered by the ClusterQueue and its total
     fits the flavor's nominalQuota (no cohort to borrow from here): Kueue docs, "Cluster Queue" (resource groups,
     nominalQuota) and "Workload" (admission). A config for more nodes than its cluster's quota waits forever."""
     from components.train.trainjob import build_trainjob
     from trainer.config import load_config
 
-    cfg = load_config(f"pipelines/configs/eks-{overlay}.yaml", ["--run.run_id=x", *STAGED.get(overlay, [])])
+    cfg = load_config(f"pipelines/configs/eks-{config}.yaml", ["--run.run_id=x", *STAGED.get(config, [])])
+    overlay = OVERLAY_OF.get(config, config)
     job = build_trainjob(cfg, "/fsx/datasets/v1")
     objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(kustomize(MANIFESTS / "overlays" / overlay)) if o}
     runtime = objects[("ClusterTrainingRuntime", cfg.kubernetes.runtime_name)]
@@ -182,7 +185,7 @@ def _quantity(value) -> float:
     return float(text)
 
 
-@pytest.mark.parametrize("config", ["eks-prod", "eks-dev", "eks-cpt"])
+@pytest.mark.parametrize("config", ["eks-prod", "eks-dev", "eks-cpt", "eks-sft"])
 def test_the_pipeline_role_reads_every_prefix_the_stage_step_stages(config):
     """The stage step lists (ListObjectsV2: s3:ListBucket with the prefix as s3:prefix) and downloads (GetObject,
     HeadObject: s3:GetObject) every prefix it stages — each corpus, the base model, the tokenizer — as the
@@ -245,7 +248,7 @@ def test_the_trainer_role_allows_every_call_of_the_s3_checkpoint_tier():
     assert not _allowed(document, "s3:PutObject", "arn:aws:s3:::DATA_BUCKET/datasets/x")  # data stays read-only
 
 
-@pytest.mark.parametrize("config", ["eks-dev", "eks-prod", "eks-cpt"])
+@pytest.mark.parametrize("config", ["eks-dev", "eks-prod", "eks-cpt", "eks-sft"])
 def test_the_roles_allow_every_call_of_the_export(config):
     """The trainer's ranks upload the export (trainer/checkpoint/export_store.py: PutObject, multipart under it,
     AbortMultipartUpload) and read a champion's (ListObjectsV2, GetObject); the pipeline's role probes the prefix
