@@ -17,6 +17,7 @@ import pytest
 
 from components.train.local import run_local_training
 from tests.base_model import train_tokenizer
+from tests.metrics import losses_by_step
 from trainer.config.data import DataConfig
 from trainer.data.batches import IGNORE, TokenBatches
 from trainer.data.conversations import conversation_format
@@ -154,19 +155,27 @@ def test_a_fine_tuned_model_answers_through_its_chat_template_only_from_the_assi
         loss_on, tmp_path, chat_tokenizer, training_config):
     """Targets on the assistant's turns only: the loss falls near 0 (the answer is always the same) and the export,
     prompted through its chat template in plain transformers, answers it. On every token (loss_on=all) the random
-    user turns keep the loss far from 0."""
+    user turns keep the loss far from 0. The assistant run loses a rank to SIGKILL at step 42 and resumes from node
+    memory (copies every 4 steps): the steps it trains again compute the same losses, bit for bit."""
     steps = 60
+    fault = "sigkill@42:rank=1" if loss_on == "assistant" else ""
     cfg = training_config(tmp_path, f"sft-{loss_on}", "--data.format=chat", f"--data.loss_on={loss_on}",
                           f"--data.tokenizer={chat_tokenizer}", f"--training.seq_len={SEQ_LEN}",
                           f"--training.num_steps={steps}", f"--checkpoint.interval_steps={steps}",
-                          "--training.lr=3e-3", "--faults.schedule=", "--resilience.straggler_interval=0")
+                          "--checkpoint.memory_interval_steps=4", "--training.lr=3e-3", f"--faults.schedule={fault}",
+                          "--resilience.straggler_interval=0")
     tokens = cfg.fsx_root / "datasets" / "chat"
     tokenize_files(_corpus(tmp_path / "raw", 400), tokens, 0.1, chat_tokenizer,
                    conversations=conversation_format(cfg.data, SEQ_LEN))
 
     assert run_local_training(cfg, tokens)["steps"] == steps
-    losses = [r["loss"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl") if "loss" in r]
+    by_step = losses_by_step(cfg.run_dir / "metrics.jsonl")  # (asserts every step trained again: the same loss)
+    assert sorted(by_step) == list(range(1, steps + 1))
+    trained = [int(r["step"]) for r in read_jsonl(cfg.run_dir / "metrics.jsonl")]
+    assert (len(trained) > steps) == bool(fault)  # the fault's run trained steps 41-42 again
+    losses = [by_step[step] for step in sorted(by_step)]
     final = float(np.mean(losses[-5:]))
+    print(f"loss_on={loss_on}: first {losses[0]:.3f}, last 5 steps {final:.4f}")
     record = read_json(RunDir(cfg.run_dir).evaluation(steps))
     if loss_on == "all":
         assert final > 1.0, losses
