@@ -23,11 +23,14 @@ from trainer.data.batches import IGNORE, TokenBatches
 from trainer.data.conversations import conversation_format
 from trainer.data.shards import DataError, tokenize_files
 from trainer.data.tokenizer import load_tokenizer
+from trainer.evaluate.lm_eval_tasks import metrics_of, task_specs
 from trainer.run.run_dir import RunDir, read_json, read_jsonl
 
 pytestmark = pytest.mark.integration
 
 ANSWER = "The answer is forty two."
+CAPITALS_TEXT = str(Path(__file__).parents[1] / "data" / "lm_eval" / "capitals_text.yaml")
+LM_EVAL = {"assistant": [f"--eval.lm_eval_tasks={CAPITALS_TEXT}"], "all": []}
 SEQ_LEN = 128
 
 
@@ -163,7 +166,7 @@ def test_a_fine_tuned_model_answers_through_its_chat_template_only_from_the_assi
                           f"--data.tokenizer={chat_tokenizer}", f"--training.seq_len={SEQ_LEN}",
                           f"--training.num_steps={steps}", f"--checkpoint.interval_steps={steps}",
                           "--checkpoint.memory_interval_steps=4", "--training.lr=3e-3", f"--faults.schedule={fault}",
-                          "--resilience.straggler_interval=0")
+                          "--resilience.straggler_interval=0", *LM_EVAL[loss_on])
     tokens = cfg.fsx_root / "datasets" / "chat"
     tokenize_files(_corpus(tmp_path / "raw", 400), tokens, 0.1, chat_tokenizer,
                    conversations=conversation_format(cfg.data, SEQ_LEN))
@@ -188,3 +191,13 @@ def test_a_fine_tuned_model_answers_through_its_chat_template_only_from_the_assi
                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout) == [ANSWER] * 3
+
+    # an lm-eval task scored on the 2 training ranks (the sharded model) = lm-eval's own HF model on the export
+    from lm_eval import simple_evaluate
+
+    theirs = metrics_of(simple_evaluate(
+        model="hf", model_args={"pretrained": str(export), "dtype": "float32", "device": "cpu", "max_length": SEQ_LEN},
+        tasks=task_specs([CAPITALS_TEXT]), bootstrap_iters=0, log_samples=False, verbosity="ERROR"))
+    ranks = record["candidate"]["tasks"]["lm_eval:capitals_text"]["metrics"]
+    print(f"lm-eval capitals_text from the ranks {ranks}, lm-eval's HF model on the export {theirs['capitals_text']}")
+    assert ranks == pytest.approx(theirs["capitals_text"], rel=1e-4)

@@ -33,6 +33,22 @@ class EvalConfig:
     task_file: str = ""
     """The jsonl the multiple_choice task reads ({question, choices, answer}); empty: the bundled set."""
 
+    lm_eval_tasks: str = ""
+    """lm-evaluation-harness tasks run on the training's ranks (the sharded model behind lm-eval's LM interface),
+    comma-separated: task YAML files (their dataset a local jsonl/parquet: `dataset_path: json`, `dataset_kwargs:
+    {data_files: ...}`, relative paths from the YAML's folder) or names of tasks in eval.lm_eval_include_path. No
+    download at run time. Each task's metrics join the record as `lm_eval:<task>` (the gate, MLflow); empty: none."""
+
+    lm_eval_include_path: str = ""
+    """A folder of lm-eval task YAMLs whose task names eval.lm_eval_tasks may use (lm-eval's --include_path)."""
+
+    lm_eval_limit: int = 0
+    """Documents per lm-eval task (lm-eval's --limit); 0: all of them."""
+
+    lm_eval_chat_template: bool = False
+    """Render lm-eval's prompts with the tokenizer's chat template (lm-eval's --apply_chat_template): for a model
+    fine-tuned on conversations."""
+
     tasks_required: bool = False
     """A task that raises fails the gate (no promotion, the step fails naming it); false: the gate records the
     task's error and decides on the held-out loss alone."""
@@ -82,10 +98,15 @@ class EvalConfig:
             check_s3_uri(self.export_uri, "eval.export_uri")
         require(all(part.strip() for part in self.tasks.split(",")) or not self.tasks.strip(), "eval.tasks",
                 "an empty entry between commas: list task names or module:function entry points")
+        require(self.lm_eval_limit >= 0, "eval.lm_eval_limit", "must be >= 0 (0: every document)")
         require(0.0 <= self.promotion_threshold < 1.0, "eval.promotion_threshold", "must be in [0, 1)")
         require(self.promotion_wait_seconds > 0, "eval.promotion_wait_seconds", "must be > 0")
         require(not self.register or bool(self.registered_model_name.strip()), "eval.registered_model_name",
                  "must not be empty when eval.register is true")
+
+    @property
+    def lm_eval_task_list(self) -> list[str]:
+        return [part.strip() for part in self.lm_eval_tasks.split(",") if part.strip()]
 
     @property
     def task_list(self) -> list[str]:

@@ -37,6 +37,7 @@ from trainer.config.rules import is_s3_uri
 from trainer.data.shards import load_meta
 from trainer.data.tokenizer import document_start_token, load_tokenizer
 from trainer.evaluate.heldout import Ranks, generate, heldout_loss, heldout_windows
+from trainer.evaluate.lm_eval_tasks import run_lm_eval
 from trainer.evaluate.tasks import TaskContext, run_tasks
 from trainer.model.base import BaseModelError, index_base_weights, load_base_weights, read_base_config
 from trainer.model.parallelize import local_shard
@@ -158,8 +159,14 @@ class Evaluator:
 
     def _evaluate(self, windows, tokenizer, generations: bool) -> dict[str, Any]:
         result = heldout_loss(self.model, windows, self.ranks)
-        result["tasks"] = run_tasks(self.cfg.eval.task_list, TaskContext(self.model, tokenizer, self.ranks,
-                                                                          self.cfg.eval.task_file))
+        context = TaskContext(self.model, tokenizer, self.ranks, self.cfg.eval.task_file)
+        result["tasks"] = run_tasks(self.cfg.eval.task_list, context)
+        eval_cfg = self.cfg.eval
+        if eval_cfg.lm_eval_task_list:
+            result["tasks"].update(run_lm_eval(context, eval_cfg.lm_eval_task_list,
+                                               include_path=eval_cfg.lm_eval_include_path, limit=eval_cfg.lm_eval_limit,
+                                               chat=eval_cfg.lm_eval_chat_template,
+                                               max_length=self.cfg.training.seq_len))
         if generations and self.cfg.eval.max_new_tokens > 0:
             result["generations"] = generate(self.model, tokenizer, self.cfg.eval.prompt_list,
                                              self.cfg.eval.max_new_tokens)

@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -106,12 +106,13 @@ def heldout_loss(model: torch.nn.Module, windows: Windows, ranks: Ranks) -> dict
             "eval_windows": windows.fingerprint}
 
 
-def score_sequences(model: torch.nn.Module, sequences: list[tuple[list[int], int]], ranks: Ranks
-                    ) -> list[tuple[float, int]]:
+def score_sequences(model: torch.nn.Module, sequences: list[tuple[list[int], int]], ranks: Ranks,
+                    greedy: bool = False) -> list[tuple]:
     """For each (token ids, first scored position): the log-likelihood the model gives the tokens from that
-    position on, and their count. Every rank gets every sequence's score."""
+    position on, and their count; with `greedy`, also whether each of those tokens is the model's argmax there
+    (lm-eval's is_greedy: from the logits, not the chunked loss). Every rank gets every sequence's score."""
     mine = list(range(ranks.rank, len(sequences), ranks.world_size))
-    scores: dict[int, tuple[float, int]] = {}
+    scores: dict[int, tuple] = {}
     with torch.no_grad():
         for round_ in range(_rounds(len(sequences), ranks)):
             batch = mine[round_ * ranks.batch_size:(round_ + 1) * ranks.batch_size]
@@ -122,11 +123,19 @@ def score_sequences(model: torch.nn.Module, sequences: list[tuple[list[int], int
             for row, (ids, first) in enumerate(items):
                 inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
                 targets[row, first - 1:len(ids) - 1] = torch.tensor(ids[first:])
-            losses = model(input_ids=inputs.to(ranks.device), targets=targets.to(ranks.device),
-                           loss_reduction="none", loss_chunk=ranks.loss_chunk)
+            if greedy:
+                logits = model(input_ids=inputs.to(ranks.device), use_cache=False).logits.float().cpu()
+                counted = targets != IGNORE
+                chosen = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+                losses = -(chosen * counted)
+                hits = (logits.argmax(-1) == targets) | ~counted
+            else:
+                losses = model(input_ids=inputs.to(ranks.device), targets=targets.to(ranks.device),
+                               loss_reduction="none", loss_chunk=ranks.loss_chunk)
             for row, index in enumerate(batch):
                 ids, first = sequences[index]
-                scores[index] = (-float(losses[row].sum()), len(ids) - first)
+                score = (-float(losses[row].sum()), len(ids) - first)
+                scores[index] = score + (bool(hits[row].all()),) if greedy else score
     gathered: list[Any] = [None] * ranks.world_size
     if ranks.world_size > 1:
         dist.all_gather_object(gathered, scores)
@@ -136,23 +145,28 @@ def score_sequences(model: torch.nn.Module, sequences: list[tuple[list[int], int
     return [merged[i] for i in range(len(sequences))]
 
 
-def generate(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict[str, str]]:
-    """Greedy continuations of fixed prompts, token by token without a cache (every rank computes the same
-    tokens, so every rank makes the same forward calls)."""
-    samples = []
+def greedy_continuation(model: torch.nn.Module, ids: list[int], max_new_tokens: int,
+                        stop: Callable[[list[int]], bool]) -> list[int]:
+    """The greedy tokens after `ids`, one forward each without a cache (every rank computes the same tokens, so
+    every rank makes the same forward calls), until max_new_tokens or stop(the new tokens so far)."""
+    tokens = list(ids)
+    device = next(iter(model.parameters())).device
     with torch.no_grad():
-        for prompt in prompts:
-            [ids] = tokenizer.encode_documents([prompt])
-            if tokenizer.eos_id is not None and ids and ids[-1] == tokenizer.eos_id:
-                ids = ids[:-1]  # a prompt is an unfinished document
-            tokens = list(ids)
-            device = next(iter(model.parameters())).device
-            for _ in range(max_new_tokens):
-                logits = model(input_ids=torch.tensor([tokens], device=device), use_cache=False,
-                               logits_to_keep=1).logits
-                token = int(logits[0, -1].argmax())
-                tokens.append(token)
-                if token == tokenizer.eos_id:
-                    break
-            samples.append({"prompt": prompt, "completion": tokenizer.decode(tokens[len(ids):])})
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([tokens], device=device), use_cache=False, logits_to_keep=1).logits
+            tokens.append(int(logits[0, -1].argmax()))
+            if stop(tokens[len(ids):]):
+                break
+    return tokens[len(ids):]
+
+
+def generate(model: torch.nn.Module, tokenizer, prompts: list[str], max_new_tokens: int) -> list[dict[str, str]]:
+    """Greedy continuations of fixed prompts (greedy_continuation), each until EOS or max_new_tokens."""
+    samples = []
+    for prompt in prompts:
+        [ids] = tokenizer.encode_documents([prompt])
+        if tokenizer.eos_id is not None and ids and ids[-1] == tokenizer.eos_id:
+            ids = ids[:-1]  # a prompt is an unfinished document
+        new = greedy_continuation(model, ids, max_new_tokens, lambda tokens: tokens[-1] == tokenizer.eos_id)
+        samples.append({"prompt": prompt, "completion": tokenizer.decode(new)})
     return samples

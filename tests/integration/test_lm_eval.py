@@ -1,0 +1,65 @@
+"""lm-evaluation-harness tasks through the trainer's adapter (trainer.evaluate.lm_eval_tasks) against lm-eval's own
+Hugging Face model (HFLM) on the same saved model: a multiple-choice task (loglikelihood), a rolling-perplexity task
+(loglikelihood_rolling) and a generation task (generate_until), all from task YAMLs over a jsonl shipped in
+tests/data/lm_eval, offline. The same scores, so a user's lm-eval numbers and the pipeline's gate agree."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.base_model import make_base_model
+from trainer.data.tokenizer import load_tokenizer
+from trainer.evaluate.heldout import Ranks
+from trainer.evaluate.lm_eval_tasks import metrics_of, run_lm_eval, task_specs
+from trainer.evaluate.tasks import TaskContext
+from trainer.model.families import causal_lm_class, config_from_dict
+
+pytestmark = pytest.mark.integration
+
+TASKS = Path(__file__).parents[1] / "data" / "lm_eval"
+YAMLS = [str(TASKS / name) for name in ("capitals.yaml", "capitals_text.yaml", "capitals_generate.yaml")]
+
+
+def _texts() -> list[str]:
+    rows = [json.loads(line) for line in (TASKS / "capitals.jsonl").read_text().splitlines()]
+    facts = [f"Question: What is the capital of {r['country']}?\nAnswer: {r['choices'][r['answer']]}." for r in rows]
+    return facts * 12
+
+
+def test_the_adapters_scores_are_lm_evals_own_on_the_same_model(tmp_path):
+    from lm_eval import simple_evaluate
+
+    folder = tmp_path / "model"
+    make_base_model(folder, _texts(), hidden=64, steps=80)
+    config = config_from_dict(json.loads((folder / "config.json").read_text()))
+    model = causal_lm_class(config).from_pretrained(str(folder), dtype=torch.float32).eval()
+    context = TaskContext(model, load_tokenizer(str(folder)), Ranks(0, 1, torch.device("cpu"), 4, 64))
+    ours = run_lm_eval(context, YAMLS, max_length=128)
+    assert all("metrics" in record for record in ours.values()), ours
+
+    theirs = metrics_of(simple_evaluate(
+        model="hf", model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu", "max_length": 128},
+        tasks=task_specs(YAMLS), bootstrap_iters=0, log_samples=False, verbosity="ERROR"))
+    print({task: record["metrics"] for task, record in ours.items()}, theirs)
+    assert sorted(ours) == ["lm_eval:capitals", "lm_eval:capitals_generate", "lm_eval:capitals_text"]
+    for task, metrics in theirs.items():
+        mine = ours[f"lm_eval:{task}"]["metrics"]
+        assert sorted(mine) == sorted(metrics)
+        for name, value in metrics.items():
+            assert mine[name] == pytest.approx(value, rel=1e-4), (task, name)
+    assert ours["lm_eval:capitals"]["metrics"]["acc"] > 0.5  # it learnt the capitals (chance: 1/3)
+    assert ours["lm_eval:capitals_generate"]["metrics"]["exact_match"] > 0  # some answers generated right
+
+
+def test_a_task_that_cannot_run_is_recorded_under_its_name(tmp_path):
+    (tmp_path / "broken.yaml").write_text((TASKS / "capitals.yaml").read_text().replace("capitals.jsonl",
+                                                                                        "missing.jsonl"))
+    folder = tmp_path / "model"
+    make_base_model(folder, _texts()[:20], hidden=32, steps=2)
+    config = config_from_dict(json.loads((folder / "config.json").read_text()))
+    model = causal_lm_class(config).from_pretrained(str(folder), dtype=torch.float32).eval()
+    context = TaskContext(model, load_tokenizer(str(folder)), Ranks(0, 1, torch.device("cpu"), 4, 64))
+    recorded = run_lm_eval(context, [str(tmp_path / "broken.yaml")], max_length=128)
+    assert list(recorded) == ["lm_eval:broken"] and "missing.jsonl" in recorded["lm_eval:broken"]["error"]
