@@ -7,10 +7,12 @@ by the same machinery as a corpus (copy or DRA, incremental, verified against S3
 refused), then ``stage-manifest.json`` (the objects, the URI, the content hash). A base model is also converted
 once: its config.json checked as a family we build (llama, mistral, qwen2, qwen3), every safetensors file parsed
 and checked against it, the files hashed (``weights-index.json``, trainer.model.base) — unchanged files keep their
-digests, so a re-stage of the same weights reads nothing again. The trainer then reads each rank's shard straight from the staged files. A tokenizer
-is loaded once to prove it loads; it must be the base model's (trainer.model.base.check_tokenizer_fits: its ids
-within the model's vocabulary, its BOS/EOS/PAD the ids the model's config names), checked here, naming both values.
-Unless data.tokenizer names another, the tokenizer is the base model's own, from the same prefix.
+digests, so a re-stage of the same weights reads nothing again. The trainer then reads each rank's shard straight
+from the staged files. A tokenizer is loaded once to prove it loads; it must be the base model's
+(trainer.model.base.check_tokenizer_fits: its ids within the model's vocabulary, its BOS/EOS/PAD the ids the model's
+config names), checked here, naming both values. Unless data.tokenizer names another, the tokenizer is the base
+model's own, from the same prefix. An S3 prefix of lm-eval task YAMLs and their data (eval.lm_eval_include_path) is
+staged the same way, for the final evaluation to read from FSx.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from components.stage.s3_copy import StageInputError
 from components.stage.shards import dataset_lock
 from components.stage.staging import STAGE_MANIFEST, make_folder, previous_objects, stage_prefix
 from trainer.config import Config
+from trainer.config.rules import is_s3_uri
 from trainer.config.tree import STAGED_FILES
 from trainer.data.tokenizer import TokenizerError, load_tokenizer
 from trainer.run.run_dir import write_json
@@ -41,7 +45,31 @@ def stage_models(cfg: Config, fsx=None) -> list[dict[str, Any]]:
     if tokenizer.startswith("s3://") and not cfg.tokenizer_follows_model:
         staged.append(stage_model(cfg, tokenizer, "data.tokenizer", weights=False, fsx=fsx))
     check_tokenizer(cfg)
+    if is_s3_uri(cfg.eval.lm_eval_include_path):
+        staged.append(stage_task_folder(cfg, cfg.eval.lm_eval_include_path, fsx))
     return staged
+
+
+def stage_task_folder(cfg: Config, uri: str, fsx=None) -> dict[str, Any]:
+    """eval.lm_eval_include_path's S3 prefix (task YAMLs and their data) onto FSx, as a tokenizer's is: the trainer
+    finds it at cfg.lm_eval_include_dir. A prefix without a task YAML is refused."""
+    folder = cfg.staged_model_dir(uri)
+    files_dir = folder / STAGED_FILES
+    make_folder(folder)
+    with dataset_lock(folder):
+        started = time.perf_counter()
+        manifest_path = folder / STAGE_MANIFEST
+        staged = stage_prefix(cfg.data, uri, files_dir, cfg.fsx_root, previous_objects(manifest_path), fsx,
+                              field="eval.lm_eval_include_path")
+        staged.pop("files")
+        tasks = sorted(str(p.relative_to(files_dir)) for p in files_dir.rglob("*.y*ml"))
+        if not tasks:
+            raise StageInputError(f"eval.lm_eval_include_path: {uri} holds no task YAML (*.yaml): upload the lm-eval "
+                                  "task files and the data they name")
+        record = {**staged, "kind": "lm_eval_tasks", "field": "eval.lm_eval_include_path", "dir": str(files_dir),
+                  "task_files": tasks, "stage_seconds": time.perf_counter() - started}
+        write_json(manifest_path, record)  # last, as for a model
+        return record
 
 
 def stage_model(cfg: Config, uri: str, field: str, *, weights: bool, fsx=None) -> dict[str, Any]:

@@ -66,8 +66,10 @@ def data_fingerprint(cfg) -> str:
 
 
 def staged_prefixes(cfg) -> list[str]:
-    """Every S3 prefix the stage step stages: the base model's, the tokenizer's (when another), each corpus's."""
-    models = [uri for uri in (cfg.model.init_from, cfg.tokenizer_source) if uri.startswith("s3://")]
+    """Every S3 prefix the stage step stages: the base model's, the tokenizer's (when another), the lm-eval task
+    folder's, each corpus's."""
+    models = [uri for uri in (cfg.model.init_from, cfg.tokenizer_source, cfg.eval.lm_eval_include_path)
+              if uri.startswith("s3://")]
     return list(dict.fromkeys(uri.rstrip("/") for uri in models)) + [source.s3_uri for source in cfg.data.sources()]
 
 

@@ -63,3 +63,38 @@ def test_a_task_that_cannot_run_is_recorded_under_its_name(tmp_path):
     context = TaskContext(model, load_tokenizer(str(folder)), Ranks(0, 1, torch.device("cpu"), 4, 64))
     recorded = run_lm_eval(context, [str(tmp_path / "broken.yaml")], max_length=128)
     assert list(recorded) == ["lm_eval:broken"] and "missing.jsonl" in recorded["lm_eval:broken"]["error"]
+
+
+def test_a_task_folder_in_s3_is_staged_and_its_tasks_run_by_name(s3_server, tmp_path):
+    """eval.lm_eval_include_path as an S3 prefix of task YAMLs and their data: the stage step copies it onto FSx and
+    the evaluation finds a task by its name there, its data file relative to the YAML. A prefix without a task YAML
+    is refused before any training."""
+    import boto3
+
+    from components.stage.models import stage_models
+    from components.stage.s3_copy import StageInputError
+    from trainer.config import load_config
+
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="evals")
+    for path in TASKS.iterdir():
+        s3.upload_file(str(path), "evals", f"tasks/v1/{path.name}")
+    s3.put_object(Bucket="evals", Key="empty/v1/README.md", Body=b"no tasks here")
+    cfg = load_config(None, [f"--run.work_dir={tmp_path}", "--eval.lm_eval_include_path=s3://evals/tasks/v1",
+                             "--eval.lm_eval_tasks=capitals"])
+    [record] = stage_models(cfg)
+    assert record["kind"] == "lm_eval_tasks" and "capitals.yaml" in record["task_files"]
+    include = Path(cfg.lm_eval_include_dir)
+    assert (include / "capitals.jsonl").is_file()
+
+    folder = tmp_path / "model"
+    make_base_model(folder, _texts(), hidden=32, steps=20)
+    config = config_from_dict(json.loads((folder / "config.json").read_text()))
+    model = causal_lm_class(config).from_pretrained(str(folder), dtype=torch.float32).eval()
+    context = TaskContext(model, load_tokenizer(str(folder)), Ranks(0, 1, torch.device("cpu"), 4, 64))
+    recorded = run_lm_eval(context, cfg.eval.lm_eval_task_list, include_path=str(include), max_length=128)
+    assert set(recorded["lm_eval:capitals"]["metrics"]) == {"acc", "acc_norm"}, recorded
+
+    empty = load_config(None, [f"--run.work_dir={tmp_path}", "--eval.lm_eval_include_path=s3://evals/empty/v1"])
+    with pytest.raises(StageInputError, match="holds no task YAML"):  # exit code 2: the input
+        stage_models(empty)

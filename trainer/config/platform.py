@@ -40,7 +40,9 @@ class EvalConfig:
     download at run time. Each task's metrics join the record as `lm_eval:<task>` (the gate, MLflow); empty: none."""
 
     lm_eval_include_path: str = ""
-    """A folder of lm-eval task YAMLs whose task names eval.lm_eval_tasks may use (lm-eval's --include_path)."""
+    """A folder of lm-eval task YAMLs (and the data files they name, relative to them) whose task names
+    eval.lm_eval_tasks may use (lm-eval's --include_path); or an S3 prefix of one, which the stage step copies onto
+    FSx like a corpus."""
 
     lm_eval_limit: int = 0
     """Documents per lm-eval task (lm-eval's --limit); 0: all of them."""
@@ -98,6 +100,8 @@ class EvalConfig:
             check_s3_uri(self.export_uri, "eval.export_uri")
         require(all(part.strip() for part in self.tasks.split(",")) or not self.tasks.strip(), "eval.tasks",
                 "an empty entry between commas: list task names or module:function entry points")
+        if is_s3_uri(self.lm_eval_include_path):
+            check_s3_uri(self.lm_eval_include_path, "eval.lm_eval_include_path")
         require(self.lm_eval_limit >= 0, "eval.lm_eval_limit", "must be >= 0 (0: every document)")
         require(0.0 <= self.promotion_threshold < 1.0, "eval.promotion_threshold", "must be in [0, 1)")
         require(self.promotion_wait_seconds > 0, "eval.promotion_wait_seconds", "must be > 0")

@@ -130,6 +130,13 @@ class Config:
         return self.fsx_root / "models" / staged_folder_name(uri)
 
     @property
+    def lm_eval_include_dir(self) -> str:
+        """eval.lm_eval_include_path as the trainer reads it: the folder, or where the stage step put the S3 prefix
+        (<fsx_root>/models/<last segment>-<hash>/hf, staged like a tokenizer); empty when unset."""
+        path = self.eval.lm_eval_include_path
+        return str(self.staged_model_dir(path) / STAGED_FILES) if is_s3_uri(path) else path
+
+    @property
     def base_model_dir(self) -> Path | None:
         """The base model's HF folder the trainer reads: model.init_from, or hf/ of where the stage step put it."""
         init = self.model.init_from

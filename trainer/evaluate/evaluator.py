@@ -164,7 +164,7 @@ class Evaluator:
         eval_cfg = self.cfg.eval
         if eval_cfg.lm_eval_task_list:
             result["tasks"].update(run_lm_eval(context, eval_cfg.lm_eval_task_list,
-                                               include_path=eval_cfg.lm_eval_include_path, limit=eval_cfg.lm_eval_limit,
+                                               include_path=self.cfg.lm_eval_include_dir, limit=eval_cfg.lm_eval_limit,
                                                chat=eval_cfg.lm_eval_chat_template,
                                                max_length=self.cfg.training.seq_len))
         if generations and self.cfg.eval.max_new_tokens > 0:

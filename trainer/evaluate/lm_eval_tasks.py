@@ -124,17 +124,25 @@ def hf_tokenizer_of(loaded):
                                    eos_token=loaded.eos_token, clean_up_tokenization_spaces=False)
 
 
-def task_specs(tasks: list[str]) -> list[Any]:
-    """lm-eval's task arguments: a YAML file becomes its config (data files relative to its folder made absolute),
-    a name stays a name (looked up in the include path)."""
+def task_specs(tasks: list[str], include_path: str = "") -> list[Any]:
+    """lm-eval's task arguments: a YAML file, or the YAML in `include_path` whose `task` is the name, becomes its
+    config (data files relative to its folder made absolute); another name stays a name for lm-eval to find."""
     try:  # lm-eval >= 0.4.10: what its CLI loads a task YAML with (!function tags, includes)
         from lm_eval.tasks._yaml_loader import load_yaml as load_yaml_config
     except ImportError:  # earlier 0.4 releases
         from lm_eval.utils import load_yaml_config
 
+    named = {}
+    for candidate in sorted(Path(include_path).rglob("*.y*ml")) if include_path else []:
+        try:
+            name = load_yaml_config(str(candidate)).get("task")
+        except Exception:  # noqa: BLE001 - another YAML in the folder (a group, an include): lm-eval reads it
+            continue
+        if isinstance(name, str):
+            named.setdefault(name, candidate)
     specs = []
     for task in tasks:
-        path = Path(task)
+        path = named.get(task, Path(task))
         if path.suffix not in (".yaml", ".yml"):
             specs.append(task)
             continue
@@ -193,7 +201,7 @@ def run_lm_eval(context, tasks: list[str], *, include_path: str = "", limit: int
         from lm_eval.tasks import TaskManager
 
         manager = TaskManager(include_path=include_path or None, verbosity="ERROR")
-        results = simple_evaluate(model=_lm_class()(context, max_length), tasks=task_specs(tasks),
+        results = simple_evaluate(model=_lm_class()(context, max_length), tasks=task_specs(tasks, include_path),
                                   task_manager=manager, limit=limit or None, apply_chat_template=chat,
                                   log_samples=False, bootstrap_iters=0, verbosity="ERROR")
     except Exception as err:  # noqa: BLE001 - a user's task: recorded under its name, the gate decides
