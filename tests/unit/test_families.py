@@ -118,3 +118,23 @@ def test_the_planners_parameter_count_is_the_familys_built_model(model_type):
     config = family_config(model_type)
     built = sum(p.numel() for p in build_model_on_meta(config).parameters())
     assert ModelShape.from_config(config.to_dict()).parameters == built
+
+
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED_MODEL_TYPES if t != "llama"])  # Llama's: test_throughput
+def test_each_familys_blocks_compiled_train_what_eager_trains(model_type):
+    """training.compile compiles each decoder block in place (trainer.model.parallelize): the family's attention
+    (Qwen2's biases, Qwen3's q/k norms, Mistral's sliding window), on packed rows' position_ids, gives eager's loss
+    and gradients."""
+    eager, compiled = build_model(family_config(model_type), seed=0), build_model(family_config(model_type), seed=0)
+    for layer in compiled.model.layers:
+        layer.compile()
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randint(3, 96, (2, 24), generator=generator) for _ in range(2))
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).expand(2, -1)  # two documents a row
+    losses = [model(input_ids=inputs, targets=targets, position_ids=positions, loss_chunk=7)
+              for model in (eager, compiled)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
