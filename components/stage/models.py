@@ -17,10 +17,11 @@ staged the same way, for the final evaluation to read from FSx.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from components.stage.s3_copy import StageInputError
 from components.stage.shards import dataset_lock
@@ -50,29 +51,11 @@ def stage_models(cfg: Config, fsx=None) -> list[dict[str, Any]]:
     return staged
 
 
-def stage_task_folder(cfg: Config, uri: str, fsx=None) -> dict[str, Any]:
-    """eval.lm_eval_include_path's S3 prefix (task YAMLs and their data) onto FSx, as a tokenizer's is: the trainer
-    finds it at cfg.lm_eval_include_dir. A prefix without a task YAML is refused."""
-    folder = cfg.staged_model_dir(uri)
-    files_dir = folder / STAGED_FILES
-    make_folder(folder)
-    with dataset_lock(folder):
-        started = time.perf_counter()
-        manifest_path = folder / STAGE_MANIFEST
-        staged = stage_prefix(cfg.data, uri, files_dir, cfg.fsx_root, previous_objects(manifest_path), fsx,
-                              field="eval.lm_eval_include_path")
-        staged.pop("files")
-        tasks = sorted(str(p.relative_to(files_dir)) for p in files_dir.rglob("*.y*ml"))
-        if not tasks:
-            raise StageInputError(f"eval.lm_eval_include_path: {uri} holds no task YAML (*.yaml): upload the lm-eval "
-                                  "task files and the data they name")
-        record = {**staged, "kind": "lm_eval_tasks", "field": "eval.lm_eval_include_path", "dir": str(files_dir),
-                  "task_files": tasks, "stage_seconds": time.perf_counter() - started}
-        write_json(manifest_path, record)  # last, as for a model
-        return record
-
-
-def stage_model(cfg: Config, uri: str, field: str, *, weights: bool, fsx=None) -> dict[str, Any]:
+@contextlib.contextmanager
+def _staging(cfg: Config, uri: str, field: str, kind: str, fsx=None) -> Iterator[tuple[Path, Path, dict[str, Any]]]:
+    """An S3 prefix staged into <fsx_root>/models/<name>-<hash>/hf under its folder's lock: yields (the folder, hf/,
+    the record to complete); the stage manifest is written after the caller's checks pass, last (a half-staged
+    prefix never has a manifest claiming it complete)."""
     folder = cfg.staged_model_dir(uri)
     files_dir = folder / STAGED_FILES
     make_folder(folder)
@@ -82,7 +65,25 @@ def stage_model(cfg: Config, uri: str, field: str, *, weights: bool, fsx=None) -
         staged = stage_prefix(cfg.data, uri, files_dir, cfg.fsx_root, previous_objects(manifest_path), fsx,
                               field=field)
         staged.pop("files")
-        record = {**staged, "kind": "model" if weights else "tokenizer", "field": field, "dir": str(files_dir)}
+        record = {**staged, "kind": kind, "field": field, "dir": str(files_dir)}
+        yield folder, files_dir, record
+        record["stage_seconds"] = time.perf_counter() - started
+        write_json(manifest_path, record)
+
+
+def stage_task_folder(cfg: Config, uri: str, fsx=None) -> dict[str, Any]:
+    """eval.lm_eval_include_path's S3 prefix (task YAMLs and their data) onto FSx, as a tokenizer's is: the trainer
+    finds it at cfg.lm_eval_include_dir. A prefix without a task YAML is refused."""
+    with _staging(cfg, uri, "eval.lm_eval_include_path", "lm_eval_tasks", fsx) as (_, files_dir, record):
+        record["task_files"] = sorted(str(p.relative_to(files_dir)) for p in files_dir.rglob("*.y*ml"))
+        if not record["task_files"]:
+            raise StageInputError(f"eval.lm_eval_include_path: {uri} holds no task YAML (*.yaml): upload the lm-eval "
+                                  "task files and the data they name")
+    return record
+
+
+def stage_model(cfg: Config, uri: str, field: str, *, weights: bool, fsx=None) -> dict[str, Any]:
+    with _staging(cfg, uri, field, "model" if weights else "tokenizer", fsx) as (folder, files_dir, record):
         if weights:
             # torch and transformers (a meta build checks the shapes): only where a base model is staged, so the
             # stage steps of a run without one start without them (~4 s of imports each)
@@ -102,9 +103,7 @@ def stage_model(cfg: Config, uri: str, field: str, *, weights: bool, fsx=None) -
                           chat_template=loaded.chat_template is not None)
         elif not weights or cfg.tokenizer_follows_model:
             raise_no_tokenizer(cfg, uri, files_dir)
-        record["stage_seconds"] = time.perf_counter() - started
-        write_json(manifest_path, record)  # last: a half-staged model never has a manifest claiming it complete
-        return record
+    return record
 
 
 def raise_no_tokenizer(cfg: Config, uri: str, files_dir: Path) -> None:

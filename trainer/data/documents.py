@@ -128,18 +128,7 @@ def records(chunk: Chunk) -> Iterator[tuple[str, Any]]:
         first = _line_number(chunk.path, chunk.start)
     else:
         data, first = chunk.payload, chunk.start
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = first + data.count(b"\n", 0, err.start)
-        raise DataError(f"{chunk.path}:{line}: not UTF-8 text ({err.reason})") from err
-    for index, line in enumerate(io.StringIO(text, newline=None)):
-        if not line.strip():
-            continue
-        try:
-            record = _json(line)
-        except ValueError as err:
-            raise DataError(f"{chunk.path}:{first + index}: not a JSON object ({err})") from err
+    for index, record in _parsed_lines(chunk.path, data, lambda: first):
         yield f"{chunk.path}:{first + index}", record
 
 
@@ -149,7 +138,9 @@ def read_documents(files: list[Path], text_field: str = "text") -> Iterable[str]
         yield from documents(chunk, text_field)
 
 
-def _json_lines(path: Path, data: bytes, text_field: str, first_line) -> Iterator[str]:
+def _parsed_lines(path: Path, data: bytes, first_line) -> Iterator[tuple[int, Any]]:
+    """(its offset from the chunk's first line, JSON value) of each non-blank line of a chunk; first_line() is the
+    chunk's first line's number (counted only for a message: it may read the file up to the chunk)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -161,9 +152,13 @@ def _json_lines(path: Path, data: bytes, text_field: str, first_line) -> Iterato
         if not line.strip():
             continue
         try:
-            record = _json(line)
+            yield index, _json(line)
         except ValueError as err:
             raise DataError(f"{path}:{first_line() + index}: not a JSON object ({err})") from err
+
+
+def _json_lines(path: Path, data: bytes, text_field: str, first_line) -> Iterator[str]:
+    for index, record in _parsed_lines(path, data, first_line):
         if not isinstance(record, dict) or text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(f"{path}:{first_line() + index}: no {text_field!r} field (data.text_field), found "
