@@ -127,9 +127,11 @@ def hf_tokenizer_of(loaded):
 def task_specs(tasks: list[str], include_path: str = "") -> list[Any]:
     """lm-eval's task arguments: a YAML file, or the YAML in `include_path` whose `task` is the name, becomes its
     config (data files relative to its folder made absolute); another name stays a name for lm-eval to find."""
-    try:  # lm-eval >= 0.4.10: what its CLI loads a task YAML with (!function tags, includes)
+    # lm-eval only here (its import costs seconds); >= 0.4.10 loads a task YAML as its CLI does (!function, include)
+    try:
         from lm_eval.tasks._yaml_loader import load_yaml as load_yaml_config
-    except ImportError:  # earlier 0.4 releases
+    except ImportError:
+        # earlier 0.4 releases
         from lm_eval.utils import load_yaml_config
 
     named = {}
@@ -197,6 +199,7 @@ def run_lm_eval(context, tasks: list[str], *, include_path: str = "", limit: int
     started = time.perf_counter()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a task's data is local: never a hub download mid-run
     try:
+        # lm-eval only where its tasks run (seconds of imports: datasets, evaluate)
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
