@@ -129,7 +129,7 @@ def task_specs(tasks: list[str], include_path: str = "") -> list[Any]:
     config (data files relative to its folder made absolute); another name stays a name for lm-eval to find."""
     # lm-eval only here (its import costs seconds); >= 0.4.10 loads a task YAML as its CLI does (!function, include)
     try:
-        from lm_eval.tasks._yaml_loader import load_yaml as load_yaml_config
+        from lm_eval.tasks._yaml_loader import load_yaml as load_yaml_config  # (lm-eval: see above)
     except ImportError:
         # earlier 0.4 releases
         from lm_eval.utils import load_yaml_config
