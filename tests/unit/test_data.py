@@ -201,3 +201,22 @@ def test_a_split_in_several_shards_reads_as_their_concatenation(tmp_path):
     (many / names[3]).unlink()
     with pytest.raises(DataError, match="train-00003.bin, which does not exist"):
         TokenBatches.open(many, "train", seq_len=16, batch_size=4, seed=7)
+
+
+def test_document_mask_restarts_positions_at_each_documents_bos(tmp_path):
+    """data.document_mask: a pre-training window's position_ids restart at every BOS (each document attends only
+    to itself, trainer.data.conversations.positions_from_starts); without it a window is (inputs, labels) alone."""
+    raw = tmp_path / "docs.jsonl"
+    raw.write_text("".join(json.dumps({"text": f"document {i} " + "x" * (i % 7)}) + "\n" for i in range(300)))
+    tokenize_files([raw], tmp_path / "tok", 0.1)
+    plain = TokenBatches.open(tmp_path / "tok", "train", 32, 4, seed=3)
+    masked = TokenBatches.open(tmp_path / "tok", "train", 32, 4, seed=3)
+    masked.document_start = load_tokenizer("byte").bos_id
+    assert len(plain.samples(np.arange(4))) == 2 and not masked.masks_targets
+    inputs, labels, positions = masked.samples(np.arange(4))
+    np.testing.assert_array_equal(inputs, plain.samples(np.arange(4))[0])
+    for row, where in zip(inputs, positions):
+        starts = [0, *np.flatnonzero(row == 256)]
+        expected = np.arange(32) - np.maximum.accumulate(np.isin(np.arange(32), starts) * np.arange(32))
+        np.testing.assert_array_equal(where, expected)
+        assert (where[row == 256] == 0).all() and len(starts) > 1
