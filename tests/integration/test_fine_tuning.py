@@ -201,3 +201,12 @@ def test_a_fine_tuned_model_answers_through_its_chat_template_only_from_the_assi
     ranks = record["candidate"]["tasks"]["lm_eval:capitals_text"]["metrics"]
     print(f"lm-eval capitals_text from the ranks {ranks}, lm-eval's HF model on the export {theirs['capitals_text']}")
     assert ranks == pytest.approx(theirs["capitals_text"], rel=1e-4)
+
+
+def test_a_chat_corpus_needs_a_tokenizer_with_a_chat_template(tmp_path):
+    """The byte tokenizer has no chat template: the stage fails with exit code 2's error naming data.tokenizer."""
+    from trainer.config.rules import InputError
+
+    with pytest.raises(InputError, match="needs a tokenizer with a chat template.*data.tokenizer"):
+        tokenize_files(_corpus(tmp_path / "raw", 6), tmp_path / "tokens", 0.1, "byte",
+                       conversations=conversation_format(DataConfig(format="chat"), SEQ_LEN))

@@ -50,6 +50,15 @@ def test_the_adapters_scores_are_lm_evals_own_on_the_same_model(tmp_path):
         for name, value in metrics.items():
             assert mine[name] == pytest.approx(value, rel=1e-4), (task, name)
     assert ours["lm_eval:capitals"]["metrics"]["acc"] > 0.5  # it learnt the capitals (chance: 1/3)
+
+    # eval.lm_eval_chat_template: lm-eval renders each prompt with the tokenizer's chat template, through the adapter
+    # as through HFLM
+    chat = run_lm_eval(context, YAMLS[:1], max_length=128, chat=True)["lm_eval:capitals"]["metrics"]
+    chat_theirs = metrics_of(simple_evaluate(
+        model="hf", model_args={"pretrained": str(folder), "dtype": "float32", "device": "cpu", "max_length": 128},
+        tasks=task_specs(YAMLS[:1]), apply_chat_template=True, bootstrap_iters=0, log_samples=False,
+        verbosity="ERROR"))["capitals"]
+    assert chat == pytest.approx(chat_theirs, rel=1e-4)
     assert ours["lm_eval:capitals_generate"]["metrics"]["exact_match"] > 0  # some answers generated right
 
 

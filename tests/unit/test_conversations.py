@@ -146,3 +146,13 @@ def test_a_packed_row_computes_each_conversation_as_if_it_were_alone(model_type)
     torch.testing.assert_close(losses[0], reference, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(packed, torch.cat(alone), rtol=1e-4, atol=1e-5)
     assert not torch.allclose(crossed[11:], alone[1], rtol=1e-3, atol=1e-3)
+
+
+def test_conversational_prompt_completion_renders_the_prompt_turns_and_targets_the_completions(folders):
+    """TRL's conversational prompt/completion: both fields lists of messages, the completion's assistant turns the
+    targets, through the chat template."""
+    record = {"prompt": CONVERSATION[:2], "completion": [CONVERSATION[2]]}
+    fmt = ConversationFormat("prompt_completion", 256)
+    assert _targets_text(folders["llama3"], record, fmt) == "Hello.<|eot_id|>"
+    with pytest.raises(BadRecord, match="both be text or both be lists"):
+        render({"prompt": "Hi", "completion": [CONVERSATION[2]]}, chat_template(folders["llama3"]), fmt)

@@ -78,11 +78,17 @@ def _tokenize_chunk(chunk: Chunk, tokenizer: str, val_fraction: float, dtype: st
     return out
 
 
+def _templated(fmt: ConversationFormat, loaded: LoadedTokenizer) -> bool:
+    """Whether records are rendered by the tokenizer folder's chat template: always for chat (refused without
+    one), for prompt/completion when there is one (lists of messages need it; text pairs do not use it)."""
+    return loaded.folder is not None and (fmt.kind == "chat" or loaded.chat_template is not None)
+
+
 def _tokenize_conversations(chunk: Chunk, loaded: LoadedTokenizer, tokenizer: str, val_fraction: float, dtype: str,
                             fmt: ConversationFormat) -> dict[str, dict]:
     """A fine-tuning task: each record rendered (the chat template), tokenized with its targets, split by content,
     then packed into rows of seq_len + 1 (trainer.data.conversations)."""
-    template = chat_template(tokenizer) if fmt.kind == "chat" and loaded.folder is not None else None
+    template = chat_template(tokenizer) if _templated(fmt, loaded) else None
     capacity = fmt.seq_len + 1
     pad = loaded.pad_id if loaded.pad_id is not None else (loaded.eos_id if loaded.eos_id is not None else 0)
     pieces: dict[str, list] = {"train": [], "val": []}
@@ -232,7 +238,7 @@ def tokenize_files(files: list[Path], out_dir: Path, val_fraction: float, tokeni
         meta["conversations"] = {"format": conversations.kind, "seq_len": conversations.seq_len,
                                  "loss_on": conversations.loss_on, "too_long": conversations.too_long,
                                  "end_of_turn_ids": (end_of_turn_ids(chat_template(tokenizer), loaded)
-                                                     if conversations.kind == "chat" and loaded.folder else [])}
+                                                     if _templated(conversations, loaded) else [])}
     streams = ("bin",) if conversations is None else ("bin", "flags")
     counts: dict[str, collections.Counter] = {split: collections.Counter(tokens=0, documents=0)
                                               for split in ("train", "val")}
