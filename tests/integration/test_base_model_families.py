@@ -49,6 +49,7 @@ def test_a_base_model_of_the_family_trains_from_its_own_loss_and_exports_as_its_
                                 seed=cfg.run.seed)
     inputs, labels = batches.samples(np.arange(2 * cfg.training.batch_size))  # 2 ranks' batches of step 1
     expected = loss_of(cfg.base_model_dir, inputs, labels)
+    print(f"{family}: first step's loss {first['loss']:.6f}, plain transformers' {expected:.6f}")
     assert first["loss"] == pytest.approx(expected, rel=1e-4)
     assert expected < float(np.log(len(tokenizer))) - 0.5  # the base model's weights, not a random start's
 
