@@ -138,3 +138,24 @@ def test_each_familys_blocks_compiled_train_what_eager_trains(model_type):
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_greedy_scores_are_the_full_logits_log_likelihoods_and_argmax_hits():
+    """loss_reduction="greedy" (lm-eval's loglikelihood and is_greedy, trainer.evaluate.lm_eval_tasks): per position
+    the negative log-likelihood of the target and whether it is the argmax, from chunks of the logits, equal to the
+    full logits' (which an 8B model's evaluation must never hold)."""
+    model = build_model(family_config("llama"), seed=0).eval()
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(3, 96, (3, 20), generator=generator)
+    with torch.no_grad():
+        logits = model(input_ids=inputs, use_cache=False).logits.float()
+    targets = logits.argmax(-1)  # every position greedy ...
+    targets[0, 3] = (targets[0, 3] + 1) % 96  # ... but two
+    targets[2, 11] = (targets[2, 11] + 5) % 96
+    targets[1, :4] = IGNORE
+    with torch.no_grad():
+        losses, hits = model(input_ids=inputs, targets=targets, loss_reduction="greedy", loss_chunk=7)
+    reference = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE,
+                                                  reduction="none")
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
+    assert (~hits).nonzero().tolist() == [[0, 3], [2, 11]]

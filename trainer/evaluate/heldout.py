@@ -110,7 +110,7 @@ def score_sequences(model: torch.nn.Module, sequences: list[tuple[list[int], int
                     greedy: bool = False) -> list[tuple]:
     """For each (token ids, first scored position): the log-likelihood the model gives the tokens from that
     position on, and their count; with `greedy`, also whether each of those tokens is the model's argmax there
-    (lm-eval's is_greedy: from the logits, not the chunked loss). Every rank gets every sequence's score."""
+    (lm-eval's is_greedy, from the same chunks of logits). Every rank gets every sequence's score."""
     mine = list(range(ranks.rank, len(sequences), ranks.world_size))
     scores: dict[int, tuple] = {}
     with torch.no_grad():
@@ -123,15 +123,9 @@ def score_sequences(model: torch.nn.Module, sequences: list[tuple[list[int], int
             for row, (ids, first) in enumerate(items):
                 inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
                 targets[row, first - 1:len(ids) - 1] = torch.tensor(ids[first:])
-            if greedy:
-                logits = model(input_ids=inputs.to(ranks.device), use_cache=False).logits.float().cpu()
-                counted = targets != IGNORE
-                chosen = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-                losses = -(chosen * counted)
-                hits = (logits.argmax(-1) == targets) | ~counted
-            else:
-                losses = model(input_ids=inputs.to(ranks.device), targets=targets.to(ranks.device),
-                               loss_reduction="none", loss_chunk=ranks.loss_chunk)
+            scored = model(input_ids=inputs.to(ranks.device), targets=targets.to(ranks.device),
+                           loss_reduction="greedy" if greedy else "none", loss_chunk=ranks.loss_chunk)
+            losses, hits = scored if greedy else (scored, None)
             for row, index in enumerate(batch):
                 ids, first = sequences[index]
                 score = (-float(losses[row].sum()), len(ids) - first)

@@ -20,9 +20,13 @@ IGNORE = -100  # a target that counts for nothing (padding): F.cross_entropy's i
 
 def _eager_chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module, reduction: str = "sum"):
     logits = head(hidden).float()
-    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction=reduction,
-                             ignore_index=IGNORE)
-    return losses if reduction == "sum" else losses.view(targets.shape)
+    losses = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                             reduction="none" if reduction == "greedy" else reduction, ignore_index=IGNORE)
+    if reduction == "sum":
+        return losses
+    if reduction == "greedy":  # and whether each target is the argmax there (lm-eval's is_greedy); IGNORE: True
+        return losses.view(targets.shape), (logits.argmax(-1) == targets) | (targets == IGNORE)
+    return losses.view(targets.shape)
 
 
 _chunk_loss = _eager_chunk_loss
@@ -39,9 +43,15 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, targets: 
                           reduction: str = "mean") -> torch.Tensor:
     """Cross-entropy of head(hidden) against targets ([batch, positions] each), summed (reduction="sum"), averaged
     over the targets that count ("mean": IGNORE targets are in neither the sum nor the count), or each position's
-    ("none": [batch, positions], 0 where the target is IGNORE). The logits of `chunk` positions exist at a time.
-    (A mean over a batch split across micro-batches and ranks is the job's: trainer.job.step.)"""
-    assert reduction in ("mean", "sum", "none"), reduction
+    ("none": [batch, positions], 0 where the target is IGNORE; "greedy": those and whether each target is the
+    logits' argmax). The logits of `chunk` positions exist at a time. (A mean over a batch split across
+    micro-batches and ranks is the job's: trainer.job.step.)"""
+    assert reduction in ("mean", "sum", "none", "greedy"), reduction
+    if reduction == "greedy":
+        with torch.no_grad():  # scoring only (lm-eval)
+            pieces = [_eager_chunk_loss(hidden[:, start:start + chunk], targets[:, start:start + chunk], head, "greedy")
+                      for start in range(0, hidden.size(1), chunk)]
+            return torch.cat([p[0] for p in pieces], dim=1), torch.cat([p[1] for p in pieces], dim=1)
     if reduction == "none":
         with torch.no_grad():  # scoring only (evaluation tasks)
             return torch.cat([_chunk_loss(hidden[:, start:start + chunk], targets[:, start:start + chunk], head,
