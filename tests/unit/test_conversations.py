@@ -123,6 +123,10 @@ def test_a_rows_labels_never_cross_into_the_next_conversation_and_positions_rest
     assert labels.tolist() == [[-100, 12, 13, -100, 21, 22, -100, -100]]  # 13 -> 20 is no target; padding none
     assert positions.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
     assert not (flags & TARGET)[[0, 4, 7, 8]].any()
+    from trainer.data.batches import IGNORE as DATA_IGNORE
+    from trainer.model.loss import IGNORE as LOSS_IGNORE
+
+    assert DATA_IGNORE == LOSS_IGNORE == -100  # the data side's copy (it imports no torch) is the loss's
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
