@@ -18,12 +18,13 @@ prefix is not a prefix, the content is not rendered verbatim) is a BadRecord nam
 one after another, then padding. Each conversation's positions restart at 0, and the model attends within runs of
 consecutive positions only (transformers' packed-sequence mask from ``position_ids``; flash attention's varlen
 path on the GPU), so no conversation sees another. A target crossing into the next conversation is never counted.
-Conversations are packed first-fit decreasing within a window of PACK_WINDOW of them, in their order: the rows are
+Conversations are packed best-fit decreasing within a window of PACK_WINDOW of them, in their order: the rows are
 a function of the data alone.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -198,23 +199,26 @@ def tokenize_rendered(loaded, rendered: Rendered) -> tuple[np.ndarray, np.ndarra
 
 
 def pack(lengths: Iterable[int], capacity: int) -> list[list[int]]:
-    """Rows of conversations (indices into lengths, each <= capacity): first-fit decreasing over each window of
-    PACK_WINDOW conversations, in order; within a row, conversations keep their order."""
+    """Rows of conversations (indices into lengths, each <= capacity): best-fit decreasing over each window of
+    PACK_WINDOW conversations, in order (the fullest row it fits, found by bisection among the rows' free room);
+    within a row, conversations keep their order."""
     lengths = list(lengths)
     rows: list[list[int]] = []
     for first in range(0, len(lengths), PACK_WINDOW):
         window = range(first, min(first + PACK_WINDOW, len(lengths)))
-        free: list[int] = []
+        open_rows: list[tuple[int, int]] = []  # (free room, row), sorted
         members: list[list[int]] = []
         for index in sorted(window, key=lambda i: (-lengths[i], i)):
             assert 0 < lengths[index] <= capacity, (lengths[index], capacity)
-            row = next((r for r, room in enumerate(free) if room >= lengths[index]), None)
-            if row is None:
-                free.append(capacity)
+            at = bisect.bisect_left(open_rows, (lengths[index], -1))
+            if at == len(open_rows):
                 members.append([])
-                row = len(free) - 1
-            free[row] -= lengths[index]
+                room, row = capacity, len(members) - 1
+            else:
+                room, row = open_rows.pop(at)
             members[row].append(index)
+            if room > lengths[index]:
+                bisect.insort(open_rows, (room - lengths[index], row))
         rows.extend(sorted(row) for row in members)
     return rows
 
