@@ -148,11 +148,22 @@ class MlflowServer:
         from mlflow.data.dataset_source_registry import resolve_dataset_source  # mlflow: see deliver
         from mlflow.data.meta_dataset import MetaDataset
         from mlflow.entities import DatasetInput, InputTag
+        from mlflow.exceptions import MlflowException
 
         # MLflow keeps 36 characters of a digest: the content hash's first 32 (128 bits), the whole one as a tag.
         dataset = MetaDataset(source=resolve_dataset_source(op["source"]), name=op["name"], digest=op["digest"][:32])
         tags = [InputTag("mlflow.data.context", op["context"]), InputTag("content_hash", op["digest"])]
-        self.client().log_inputs(run_id, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=tags)])
+        inputs = [DatasetInput(dataset._to_mlflow_entity(), tags=tags)]
+        try:
+            self.client().log_inputs(run_id, datasets=inputs)
+        except MlflowException as err:
+            # Runs on the same corpus race to create its dataset row: MLflow reads whether (experiment, name,
+            # digest) exists, then inserts, without a lock (sqlalchemy_store.py _log_inputs_impl), and answers the
+            # loser's key violation BAD_REQUEST. Once more finds the winner's row and only links it; a request
+            # that is really bad is refused again.
+            if err.error_code != "BAD_REQUEST":
+                raise
+            self.client().log_inputs(run_id, datasets=inputs)
 
     def _replace_table(self, run_id: str, data: dict[str, list], artifact_file: str) -> None:
         """The whole table, in log_table's own format (pandas' split orientation) and with its UI tag, replacing

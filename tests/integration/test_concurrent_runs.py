@@ -46,7 +46,9 @@ def test_concurrent_runs_each_keep_their_whole_record_and_exactly_one_promotion_
         client = MlflowClient(server.tracking_uri)
         summaries = [json.loads((work / "fsx" / "runs" / f"race-{i}" / "summary.json").read_text()) for i in range(RUNS)]
         for summary in summaries:
-            assert summary["mlflow_pending_records"] == 0 and summary["mlflow_rejected_records"] == 0
+            refused = Path(summary["run_dir"]) / "mlflow-spool" / "rejected.jsonl"
+            assert summary["mlflow_pending_records"] == 0 and summary["mlflow_rejected_records"] == 0, (
+                refused.read_text() if refused.is_file() else summary)
             parent = client.get_run(summary["mlflow_parent_run_id"])
             assert parent.info.status == "FINISHED"
             children = client.search_runs([parent.info.experiment_id],

@@ -146,3 +146,41 @@ def test_kfps_own_mlflow_runs_are_adopted_not_doubled(tmp_path, monkeypatch, kfp
         ours = mlflow.run_id()
         assert ours not in (kfp_parent, prepare_task, train_task) and prepared["mlflow_parent_run_id"] == ours
         assert client.get_run(mlflow.run_id(run)).data.tags["mlflow.parentRunId"] == ours
+
+
+def test_two_runs_logging_the_same_dataset_at_once_both_link_it(tmp_path):
+    """MLflow's log_inputs reads whether (experiment, name, digest) exists and inserts it if not, in one transaction
+    without a lock (mlflow/store/tracking/sqlalchemy_store.py _log_inputs_impl; the datasets table's primary key is
+    those three): concurrent runs on the same corpus race, and the loser is answered BAD_REQUEST (the
+    IntegrityError). Made certain here: the other run logs the dataset between this one's read and its insert."""
+    import sqlalchemy
+    from mlflow.tracking import MlflowClient
+    from sqlalchemy.orm import Session
+
+    from components.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trackers = [Tracker(uri, "same-corpus", f"race-{i}", tmp_path / f"run-{i}") for i in range(2)]
+    runs = []
+    for mlflow in trackers:
+        mlflow.start_parent({}, {})
+        runs.append(mlflow.start_step("train", one_per_pipeline_run=True))
+    raced = []
+
+    def the_other_run_logs_it_first(session, flush_context, instances):
+        if not raced and any(type(obj).__name__ == "SqlDataset" for obj in session.new):
+            raced.append(True)
+            trackers[1].log_dataset(runs[1], "corpus", "ab" * 32, "s3://data/corpus")
+
+    sqlalchemy.event.listen(Session, "before_flush", the_other_run_logs_it_first)
+    try:
+        trackers[0].log_dataset(runs[0], "corpus", "ab" * 32, "s3://data/corpus")
+    finally:
+        sqlalchemy.event.remove(Session, "before_flush", the_other_run_logs_it_first)
+
+    assert raced
+    client = MlflowClient(uri)
+    for mlflow, run in zip(trackers, runs):
+        assert mlflow.pending() == 0 and mlflow.rejected() == 0, mlflow.rejected_path.read_text()
+        inputs = client.get_run(mlflow.run_id(run)).inputs.dataset_inputs
+        assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("corpus", "ab" * 16)]
