@@ -4,6 +4,7 @@
     .venv/bin/python bench/checkpoint.py --preset tiny --samples 1   # a quick check of the harness
     .venv/bin/python bench/checkpoint.py --load-only     # only the load figures (one training run, ~3 min),
                                                          # merged into the existing results file
+    .venv/bin/python bench/checkpoint.py --commit-only   # only the commit figures (no training, ~1 min), merged
 
 Everything is measured side by side in one invocation (the machine is shared and noisy) and reported as
 ratios. Configurations, run in turn `--samples` times (none, sync, async, peer, async_process, none, ...), each the
@@ -26,6 +27,12 @@ Definitions:
   fast as a plain read; goal ≥ 0.7), `dcp_load_over_raw_read` the same for DCP's reader. The raw read
   reuses one 16 MB buffer (it stays in the CPU cache); `raw_read_whole` reads into one buffer of the file's
   size, writing every byte to memory as a load must: `load_over_raw_read_whole` compares with that.
+- commits (no trainer: a DCP save of a state of each size by the trainer's writer, 2 files): rank 0's commit
+  (trainer.checkpoint.format.write_manifest) from the writers' digests, against the same commit re-reading
+  every file to hash it (what it did before the writers hashed; page cache warm, so a lower bound of FSx's
+  cost), at two sizes. `commit_reread_bytes_over_checkpoint` is what the commit read / the checkpoint's
+  bytes (goal 0); `commit_seconds_large_over_small` is the commit's growth with the checkpoint (goal: flat,
+  ~1, where re-reading grows with the bytes).
 Writes bench/results/checkpoint.json.
 """
 
@@ -42,11 +49,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed.checkpoint as dcp
 from common import ROOT, demo_token_dir, write_results  # noqa: E402  (bench/ is the script's folder)
 
 from components.train.local import run_local_training  # noqa: E402
 from components.train.report import read_metrics  # noqa: E402
+from trainer.checkpoint import reads  # noqa: E402
 from trainer.checkpoint.commit import STALL_FIGURES  # noqa: E402
+from trainer.checkpoint.format import MANIFEST, write_manifest  # noqa: E402
+from trainer.checkpoint.hashing_writer import WRITTEN_DIGESTS, HashingFileSystemWriter  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.observe import logs  # noqa: E402
 from trainer.planning.measured import MeasuredRun  # noqa: E402
@@ -146,6 +158,53 @@ def _load_only(args, scratch: Path, data: Path) -> int:
     return 0
 
 
+def _commit_figures(scratch: Path, sizes_mb: tuple[int, int] = (64, 512), repeats: int = 3) -> dict:
+    """Rank 0's commit of a checkpoint of each size, from the writers' digests and by re-reading (best of
+    `repeats` each, alternating)."""
+    figures: dict = {}
+    for size_mb in sizes_mb:
+        folder = scratch / f"commit-{size_mb}mb"
+        tensors = size_mb * (1 << 20) // 4 // (1 << 20)
+        state = {"model": {f"w{i}": torch.randn(1 << 20) for i in range(tensors)}}
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True,
+                 storage_writer=HashingFileSystemWriter(str(folder), thread_count=2))
+        written = (folder / WRITTEN_DIGESTS).read_text()
+        seconds = {"digests": [], "reread": []}
+        reread = {}
+        for _ in range(repeats):
+            for how in ("digests", "reread"):
+                (folder / MANIFEST).unlink(missing_ok=True)
+                if how == "digests":
+                    (folder / WRITTEN_DIGESTS).write_text(written)
+                before, started = reads.bytes_read(), time.perf_counter()
+                manifest = write_manifest(folder, 1, {"world_size": 1})
+                seconds[how].append(time.perf_counter() - started)
+                reread[how] = reads.bytes_read() - before
+        size = sum(f["bytes"] for f in manifest["files"].values())
+        figures[f"commit_{size_mb}mb"] = {"checkpoint_bytes": size, "seconds": min(seconds["digests"]),
+                                          "reread_seconds": min(seconds["reread"]),
+                                          "reread_bytes_over_checkpoint": reread["digests"] / size,
+                                          "reread_path_bytes_over_checkpoint": reread["reread"] / size}
+        shutil.rmtree(folder)
+    small, large = (figures[f"commit_{mb}mb"] for mb in sizes_mb)
+    figures["commit_reread_bytes_over_checkpoint"] = max(small["reread_bytes_over_checkpoint"],
+                                                         large["reread_bytes_over_checkpoint"])
+    figures["commit_seconds_large_over_small"] = large["seconds"] / small["seconds"]
+    figures["commit_reread_seconds_large_over_small"] = large["reread_seconds"] / small["reread_seconds"]
+    figures["commit_large_reread_over_digests"] = large["reread_seconds"] / large["seconds"]
+    return figures
+
+
+def _commit_only(args, scratch: Path) -> int:
+    figures = _commit_figures(scratch)
+    previous = json.loads(args.output.read_text()) if args.output.is_file() else {}
+    merged = {key: value for key, value in previous.items() if key not in ("command", "measured_at", "machine")}
+    merged.update(figures)
+    write_results(args.output, merged, "bench/checkpoint.py")
+    print(json.dumps(figures, indent=1))
+    return 0
+
+
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": values}
 
@@ -163,10 +222,14 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder")
     parser.add_argument("--load-only", action="store_true",
                         help="measure the loads only and merge them into --output (one training run)")
+    parser.add_argument("--commit-only", action="store_true",
+                        help="measure the commits only and merge them into --output (no training)")
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-checkpoint-"))
     try:
+        if args.commit_only:
+            return _commit_only(args, scratch)
         data = demo_token_dir(scratch)
         if args.load_only:
             return _load_only(args, scratch, data)
@@ -241,6 +304,7 @@ def main() -> int:
         figures["loop_wait_async_over_sync"] = figures["loop_wait_async_seconds"] / figures["loop_wait_sync_seconds"]
         figures["loop_wait_async_over_memcpy"] = figures["loop_wait_async_seconds"] / memcpy
         figures["params"] = json.loads((RunDir(last_cfg.run_dir).result).read_text())["num_parameters"]
+        figures.update(_commit_figures(scratch))
         write_results(args.output, figures, "bench/checkpoint.py")
         print(json.dumps({k: v for k, v in figures.items() if not isinstance(v, dict)}, indent=1))
         print(args.output)

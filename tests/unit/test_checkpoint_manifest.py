@@ -194,3 +194,63 @@ def test_the_finite_check_stacks_flags_of_tensors_on_different_devices():
     assert paths == ["model.w", "optim.w.step", "trainer.last_loss"] and bad.shape == (3,) and bad.device == device
     paths, bad = nonfinite_flags({k: v for k, v in state.items() if k != "model"}, torch.device("cpu"))
     assert bad.tolist() == [False, True]
+
+
+def _dcp_save(folder, writer, state):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(folder), storage_writer=writer, no_dist=True)
+
+
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_a_commit_takes_the_writers_digests_and_reads_no_shard_again(tmp_path, thread_count):
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import reads
+    from trainer.checkpoint.format import hash_file
+    from trainer.checkpoint.hashing_writer import WRITTEN_DIGESTS, HashingFileSystemWriter
+
+    folder = tmp_path / "step-000007.tmp"
+    state = {"model": {f"w{i}": torch.randn(64, 32) for i in range(6)}, "step": 7, "note": "bytes item"}
+    _dcp_save(folder, HashingFileSystemWriter(str(folder), thread_count=thread_count), state)
+    assert (folder / WRITTEN_DIGESTS).is_file()
+
+    before = reads.bytes_read()
+    manifest = write_manifest(folder, 7, {"world_size": 1})
+    assert reads.bytes_read() == before  # nothing read to commit
+    assert not (folder / WRITTEN_DIGESTS).exists()
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
+    assert sorted(manifest["files"]) == on_disk and len(on_disk) == 1 + thread_count  # .metadata + the shards
+    for name, entry in manifest["files"].items():  # the writers' digests are the files' own
+        assert entry == {"bytes": (folder / name).stat().st_size, "hash": hash_file(folder / name)}, name
+    assert verify_checkpoint(folder).ok
+    loaded = {"model": {f"w{i}": torch.zeros(64, 32) for i in range(6)}, "step": 0, "note": ""}
+    dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
+    assert torch.equal(loaded["model"]["w3"], state["model"]["w3"]) and loaded["note"] == "bytes item"
+
+
+def test_a_file_changed_after_its_writer_hashed_it_is_not_committed(tmp_path):
+    from trainer.checkpoint.format import CheckpointError
+    from trainer.checkpoint.hashing_writer import HashingFileSystemWriter
+
+    folder = tmp_path / "step-000007.tmp"
+    _dcp_save(folder, HashingFileSystemWriter(str(folder)), {"w": torch.randn(128)})
+    with (folder / "__0_0.distcp").open("ab") as handle:
+        handle.write(b"appended after the write")
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: \d+ bytes on disk, its writer wrote \d+"):
+        write_manifest(folder, 7, {"world_size": 1})
+    assert not (folder / MANIFEST).exists()
+
+
+def test_files_no_writer_hashed_are_hashed_at_the_commit(tmp_path):
+    """NVRx's writer (and a folder written by plain DCP) leaves no digests: the commit reads those files."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from trainer.checkpoint import reads
+
+    folder = tmp_path / "step-000007.tmp"
+    _dcp_save(folder, FileSystemWriter(str(folder)), {"w": torch.randn(128)})
+    before = reads.bytes_read()
+    manifest = write_manifest(folder, 7, {"world_size": 1})
+    assert reads.bytes_read() - before == sum(f["bytes"] for f in manifest["files"].values())
+    assert verify_checkpoint(folder).ok

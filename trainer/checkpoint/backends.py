@@ -20,11 +20,12 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from trainer.checkpoint.hashing_writer import HashingFileSystemWriter
 from trainer.config import CheckpointConfig
 from trainer.resilience import nvrx_compat
 
@@ -34,7 +35,7 @@ class InjectedWriteFailure(OSError):
     """The checkpoint_writer_crash drill: a writer that failed half-way through its files."""
 
 
-class _WriterThatFailsMidWrite(FileSystemWriter):
+class _WriterThatFailsMidWrite(HashingFileSystemWriter):
     """The checkpoint_writer_crash drill's writer: writes this rank's shards as usual, then cuts the last one
     in half and fails — what a writer dying mid-write (a full disk, an I/O error, a killed writer) leaves.
     DCP reports the failure to every rank, so the whole save fails and is never committed."""
@@ -55,8 +56,9 @@ class _WriterThatFailsMidWrite(FileSystemWriter):
 
 
 def writer_for(folder: Path, fail_with: str | None):
-    """DCP's file-system writer, or the drill's failing one when a writer-crash fault is due."""
-    return _WriterThatFailsMidWrite(folder, fail_with) if fail_with else FileSystemWriter(str(folder))
+    """DCP's file-system writer hashing what it writes, or the drill's failing one when a writer-crash fault is
+    due."""
+    return _WriterThatFailsMidWrite(folder, fail_with) if fail_with else HashingFileSystemWriter(str(folder))
 
 
 class PendingWrite:

@@ -5,9 +5,9 @@ Layout of one checkpoint directory::
     <dir>/step-000100.tmp/   while being written (never read)
     <dir>/step-000100/       committed: DCP shards + .metadata + manifest.json
 
-Commit: every rank writes its shards into ``step-N.tmp``; after a barrier rank 0 writes ``manifest.json``
-(every file with size and content hash, the step, world size, model config, config hash, library versions)
-and renames the folder to ``step-N``. A checkpoint counts only when its manifest verifies, so a crash at
+Commit: every rank writes its shards into ``step-N.tmp``, hashing them as it writes; after a barrier rank 0
+writes ``manifest.json`` (every file with size and content hash, from the writers' digests: nothing is read
+again; the step, world size, model config, config hash, library versions) and renames the folder to ``step-N``. A checkpoint counts only when its manifest verifies, so a crash at
 any point leaves either the previous checkpoints or a complete new one — never a half-written "latest".
 DCP itself has no checksums and reads non-tensor items with pickle, which is why nothing is loaded from a
 folder whose manifest did not verify.
@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import reads
+from trainer.checkpoint.hashing_writer import HASH_ALGORITHM as WRITERS_ALGORITHM
+from trainer.checkpoint.hashing_writer import WRITTEN_DIGESTS, read_written_digests
 from trainer.run import digest
 from trainer.run.run_dir import write_json
 
@@ -44,7 +46,7 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-HASH_ALGORITHM = "xxh3_128"
+HASH_ALGORITHM = WRITERS_ALGORITHM  # xxh3-128: the writers hash what they write with the manifest's algorithm
 
 
 def hasher(algorithm: str):
@@ -71,13 +73,23 @@ def library_versions() -> dict[str, str]:
 
 
 def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Every file of the folder with its size and content hash. The hash is the one its writer computed while
+    writing it (trainer.checkpoint.hashing_writer), so committing costs a stat per file; only a file no writer
+    hashed (NVRx's writer, a folder written by hand) is read to hash it, counted in reads."""
+    written = read_written_digests(folder)
     files = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[path.relative_to(folder).as_posix()] = {"bytes": path.stat().st_size, "hash": hash_file(path)}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, WRITTEN_DIGESTS)):
+        name, size = path.relative_to(folder).as_posix(), path.stat().st_size
+        recorded = written.get(name)
+        if recorded is not None and recorded["bytes"] != size:
+            raise CheckpointError(f"{path}: {size} bytes on disk, its writer wrote {recorded['bytes']} "
+                                  "(changed after it was written): not committed")
+        files[name] = {"bytes": size, "hash": recorded["hash"] if recorded is not None else hash_file(path)}
     manifest = {"manifest_version": MANIFEST_VERSION, "step": step, "created_at": time.time(),
                 "hash_algorithm": HASH_ALGORITHM,
                 "libraries": library_versions(), **metadata, "files": files}
     write_json(folder / MANIFEST, manifest, fsync=True)
+    (folder / WRITTEN_DIGESTS).unlink(missing_ok=True)  # in the manifest now
     # The folder's entries (shards, .metadata, the manifest's rename) reach the disk before the folder itself
     # is renamed into place: after a power loss a committed name never points at missing entries.
     fsync_dir(folder)

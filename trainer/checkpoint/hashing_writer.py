@@ -1,0 +1,139 @@
+"""DCP's file-system writer, hashing every file in the pass that writes it, so a commit never reads a shard again.
+
+Each rank's writer feeds the bytes it writes through xxh3-128 (the manifest's algorithm) on their way to the file,
+and returns the digests of its files to DCP's coordinator inside its write results (one extra result under a
+key no tensor has); the coordinator's ``finish`` takes them out before DCP builds ``.metadata`` from the rest,
+and writes them, with ``.metadata``'s own, to ``written-digests.json`` in the folder. Rank 0's commit
+(trainer.checkpoint.format.write_manifest) assembles the manifest from that file and a ``stat`` per file:
+O(files), not O(bytes). The result crosses processes as data (DCP gathers results with pickle), so it works
+the same when the write runs in DCP's background process.
+
+The hash is of the bytes handed to the file, in order: DCP's writer only appends (an item's offset is the
+stream's position before it), and the stream refuses seek.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from trainer.run import digest
+
+WRITTEN_DIGESTS = "written-digests.json"
+HASH_ALGORITHM = "xxh3_128"
+_DIGESTS_KEY = "__resilient_train.written_digests__"  # no state-dict key starts with "__"
+
+
+class _HashingStream(io.RawIOBase):
+    """Write-only, append-only: every byte written is hashed before it goes to the file."""
+
+    def __init__(self, raw: Any):
+        super().__init__()
+        self._raw = raw
+        self._hash = digest.hasher(HASH_ALGORITHM)
+        self.bytes = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        written = self._raw.write(view)
+        # A raw file may take part of a buffer; only what it took is in the file (the caller writes the rest).
+        written = view.nbytes if written is None else written
+        self._hash.update(view[:written])
+        self.bytes += written
+        return written
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        self._raw.flush()  # the file itself is closed by the FileSystem's context manager
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system; what it opens for writing is hashed as it is written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict[str, Any]] = {}  # file name -> {"bytes", "hash"} of this save
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as raw:
+            if mode != "wb":
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream
+            stream.flush()
+            # One entry per file; DCP's writer threads each write files of their own.
+            self.written[Path(path).name] = {"bytes": stream.bytes, "hash": stream.hexdigest()}
+
+
+class HashingFileSystemWriter(FileSystemWriter):
+    """FileSystemWriter whose files' digests reach the folder's written-digests.json (see the module doc)."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        super().reset(checkpoint_id)
+        self.fs.written = {}
+
+    def write_data(self, plan, planner) -> Future:
+        results = super().write_data(plan, planner).wait()  # DCP's writer returns a completed future
+        own = {name: entry for name, entry in self.fs.written.items() if not name.startswith(".metadata")}
+        carried = WriteResult(index=MetadataIndex(f"{_DIGESTS_KEY}{plan.storage_data.prefix}"), size_in_bytes=0,
+                              storage_data=own)
+        future: Future = Future()
+        future.set_result([*results, carried])
+        return future
+
+    def finish(self, metadata, results: list[list[WriteResult]]) -> None:
+        written: dict[str, dict[str, Any]] = {}
+        kept = []
+        for rank_results in results:
+            kept.append([r for r in rank_results if not r.index.fqn.startswith(_DIGESTS_KEY)])
+            for carried in rank_results:
+                if carried.index.fqn.startswith(_DIGESTS_KEY):
+                    written.update(carried.storage_data)
+        super().finish(metadata, kept)
+        metadata_file = next((name for name in self.fs.written if name.startswith(".metadata")), None)
+        if metadata_file is not None:  # written as .metadata.tmp, then renamed
+            written[".metadata"] = self.fs.written[metadata_file]
+        with Path(self.path, WRITTEN_DIGESTS).open("w") as handle:
+            json.dump({"hash_algorithm": HASH_ALGORITHM, "files": written}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def read_written_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """What the writers hashed as they wrote, by file name ({} when the folder's writer did not hash: NVRx's)."""
+    path = Path(folder) / WRITTEN_DIGESTS
+    if not path.is_file():
+        return {}
+    recorded = json.loads(path.read_text())
+    return recorded["files"] if recorded.get("hash_algorithm") == HASH_ALGORITHM else {}
