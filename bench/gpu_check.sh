@@ -14,6 +14,9 @@
 #   restart   SIGKILL of the training process under ft_launcher on NCCL (one rank: NCCL refuses two ranks on one
 #             GPU), and its recovery seconds from node memory; the `small` preset;
 #   nan       a NaN drill: caught in its step, rolled back and skipped; the `small` preset.
+#   mem-*     perf-eager's model without checkpointing, with full checkpointing, and with 4 micro-batches a step
+#             (gradients accumulated unsharded): with the perf runs, each run's peak allocated memory against the
+#             estimate of trainer.planning.model_size for its config (`memory_estimate_over_max_allocated`).
 #
 # The GPU image brings its own torch; the project runs from this checkout (PYTHONPATH), its other needs from wheels
 # carried in .whl/ where the image lacks them.
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 PRESET=${PRESET:-llama3-1b} SMALL=${SMALL:-small} BACKEND=${BACKEND:-nccl} SEQ=${SEQ:-8192} STEPS=${STEPS:-14}
 VOCAB=${VOCAB:-128256}  # model.vocab_size of the perf runs (0: the preset's own, else the tokenizer's)
 WORK=${WORK:-/tmp/gpu-check}
-RUNS=${RUNS:-"perf-eager perf-compiled memcopy restart nan perf-compiled-full"}  # a rerun of some: RUNS="restart nan"
+RUNS=${RUNS:-"perf-eager perf-compiled memcopy restart nan perf-compiled-full mem-none mem-full mem-accum4"}  # a rerun of some: RUNS="restart nan"
 RESULTS=${OUT:-$WORK}
 rm -rf "$WORK/work" && mkdir -p "$WORK" "$RESULTS"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -58,6 +61,7 @@ run() {  # name, time limit (s), extra args...: torchrun, one process
   local name=$1 limit=$2; shift 2
   wanted "$name" || return 0
   local started=$SECONDS
+  printf '%s\n' "${common[@]}" "$@" > "$RESULTS/$name.args"  # the run's config, for the memory estimate
   timeout -k 5 "$limit" torchrun --standalone --nproc-per-node 1 -m trainer --data-dir "$WORK/tokens" "${common[@]}" \
     --run.run_id="check-$name" "$@" > "$RESULTS/$name.log" 2>&1 || echo "$name: exit $?" >> "$RESULTS/$name.log"
   echo "$name: $((SECONDS - started)) s" >&2
@@ -96,4 +100,8 @@ run nan 90 "${small[@]}" --resilience.rollback_steps=2 --resilience.skip_steps=2
 summarize
 run perf-compiled-full 90 "${perf[@]}" --training.compile=true --training.activation_checkpointing=full \
   --checkpoint.enabled=false
+mem=("${perf[@]}" --training.num_steps=6 --training.compile=false --checkpoint.enabled=false)
+run mem-none 80 "${mem[@]}" --training.activation_checkpointing=none; summarize
+run mem-full 80 "${mem[@]}" --training.activation_checkpointing=full; summarize
+run mem-accum4 100 "${mem[@]}" --training.grad_accum_steps=4; summarize
 summarize final

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import torch
 
+from trainer.config import load_config
+from trainer.planning.model_size import gpu_memory_of, model_shape
 from trainer.resilience.nvrx_compat import nvrx_version
 from trainer.run.events import read_events
 from trainer.run.run_dir import read_json
 
+MEMORY_RUNS = ("mem-none", "mem-full", "mem-accum4")  # beside the perf runs: the estimate against each run's peak
 WARMUP = 4  # steps left out of the medians: the first allocations, and the compile
 PERF_FIELDS = ("tokens_per_second", "tflops_per_gpu", "mfu", "cuda_max_allocated_gib", "cuda_max_reserved_gib",
                "step_seconds")
@@ -38,11 +41,30 @@ def step_figures(metrics: list[dict]) -> dict:
     return figures
 
 
+def memory_figures(args_file: Path, metrics: list[dict]) -> dict:
+    """The run's peak allocated memory over every step against trainer.planning.model_size's estimate for its
+    config (its command line's `--config NAME` and overrides, as gpu_check.sh wrote them; the goal: within 15 %)."""
+    peaks = [m["cuda_max_allocated_gib"] for m in metrics if "cuda_max_allocated_gib" in m]
+    if not peaks or not args_file.is_file():
+        return {}
+    args = args_file.read_text().splitlines()
+    at = args.index("--config")
+    cfg = load_config(args[at + 1], args[:at] + args[at + 2:])
+    estimate = gpu_memory_of(model_shape(cfg), cfg)
+    t = cfg.training
+    return {"max_allocated_gib": max(peaks), "memory_estimate_gib": estimate["total"] / 2**30,
+            "memory_estimate_parts_gib": {k: v / 2**30 for k, v in estimate.items() if k != "total"},
+            "memory_estimate_over_max_allocated": estimate["total"] / 2**30 / max(peaks),
+            "memory_setting": {"activation_checkpointing": t.activation_checkpointing, "compile": t.compile,
+                               "grad_accum_steps": t.grad_accum_steps}}
+
+
 def run_figures(run: Path, log: Path) -> dict:
     figures: dict = {"log_tail": log.read_text(errors="replace").splitlines()[-12:] if log.exists() else []}
     if (run / "metrics.jsonl").exists():
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
         figures.update(step_figures(metrics))
+        figures.update(memory_figures(log.with_suffix(".args"), metrics))
     if (run / "events").exists():
         figures["stalls"] = [{k: e.get(k) for k in ("step", "loop_wait_seconds", "handoff_seconds", "memory_seconds")}
                              for e in read_events(run, "checkpoint_stall")]
@@ -71,7 +93,7 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
               "torch": torch.__version__, "nvidia_resiliency_ext": nvrx_version(), "preset": preset, "seq_len": seq,
               "runs": {}}
-    for name in ("perf-eager", "perf-compiled", "perf-compiled-full", "memcopy", "restart", "nan"):
+    for name in ("perf-eager", "perf-compiled", "perf-compiled-full", "memcopy", "restart", "nan", *MEMORY_RUNS):
         run = work / "work" / "fsx" / "runs" / f"check-{name}"
         if run.exists() or (results / f"{name}.log").exists():
             report["runs"][name] = run_figures(run, results / f"{name}.log")
@@ -89,6 +111,9 @@ def main() -> None:
         # the node-memory copy after every step: the step's wall time with it over without it (perf-eager)
         "node_memory_copy_every_step_wall_ratio": _ratio(copied.get("median_wall_seconds_per_step"),
                                                          eager.get("median_wall_seconds_per_step")),
+        "memory_estimate_over_max_allocated": {name: run["memory_estimate_over_max_allocated"]
+                                               for name, run in runs.items()
+                                               if "memory_estimate_over_max_allocated" in run},
         "restart_recovery_seconds": [r.get("recovery_seconds") for r in runs.get("restart", {}).get("recoveries", [])],
     }
     text = json.dumps(report, indent=1, default=str)

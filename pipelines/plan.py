@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.planning.goodput import CONFIGURATIONS, Costs, Plan, PlanError, make_plan
-from trainer.planning.model_size import ModelSizeError, gib, gpu_memory_bytes, model_shape, throughput_seconds
+from trainer.planning.model_size import ModelSizeError, gib, gpu_memory_of, model_shape, throughput_seconds
 from trainer.planning.simulate import FailureModel, simulate_many
 from trainer.planning.survival import job_survival, pod_restart_budget, simulate_survival
 
@@ -104,15 +104,17 @@ def costs_from_config(cfg) -> tuple[dict[str, float], list[str]]:
     if cfg.model.init_from:
         costs["startup_seconds"] = throughput_seconds(1.1 * shape.weights_bytes, throughput)
     shard_ranks = t.num_nodes * t.nproc_per_node // t.replica_groups
-    memory = gpu_memory_bytes(shape, shard_ranks=shard_ranks, batch_size=t.batch_size, seq_len=t.seq_len,
-                              activation_checkpointing=cfg.training.activation_checkpointing != "none")
+    memory = gpu_memory_of(shape, cfg)
     source = f"config.json of {cfg.base_model_dir}" if cfg.model.init_from else f"preset {cfg.model.preset}"
     lines = [f"model: {shape.parameters / 1e9:.2f} B parameters ({source}); training state {gib(shape.state_bytes)}: "
              f"an FSx save or reload {state:.0f} s at {throughput:g} MB/s"
              + (f", the base model's first read {costs['startup_seconds']:.0f} s" if cfg.model.init_from else ""),
              f"each GPU holds about {gib(memory['total'])}: sharded state {gib(memory['sharded_state'])} (over "
-             f"{shard_ranks} ranks), activations {gib(memory['activations'])}, logits {gib(memory['logits'])}, "
-             f"gathered layers {gib(memory['gathered_layers'])}"]
+             f"{shard_ranks} ranks), activations {gib(memory['activations'])} (checkpointing "
+             f"{t.activation_checkpointing}), logits {gib(memory['logits'])} (one loss chunk), gathered layers "
+             f"{gib(memory['gathered_layers'])}"
+             + (f", gradients accumulated unsharded in {t.mixed_precision_reduce} over {t.grad_accum_steps} "
+                f"micro-batches {gib(memory['accumulated_gradients'])}" if memory["accumulated_gradients"] else "")]
     return costs, lines
 
 

@@ -2,6 +2,7 @@
 start-up phases' read timeouts, the planner's costs; and the base model's config checked as a family we build."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,92 @@ def test_llama3_rope_scaling_gqa_and_a_128k_vocabulary_load():
     config = read_base_config(LLAMA_8B)
     assert config.vocab_size == 128256 and config.num_key_value_heads == 8
     assert config.rope_parameters["rope_type"] == "llama3"
+
+
+_SAVED_BYTES = """
+import gc, json, os, sys
+import torch
+from transformers import LlamaConfig
+from trainer.config import load_config
+from trainer.model import parallelize
+from trainer.model.build import build_model
+
+def resident():
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+raw, held = json.loads(sys.argv[1]), {}
+ids = torch.randint(0, raw["vocab_size"], (2, 1024))
+for mode in sys.argv[2:]:
+    model = build_model(LlamaConfig(**raw), 0)
+    parallelize.apply_activation_checkpointing(model, load_config("local", [
+        f"--training.activation_checkpointing={mode}"]).training)
+    for _ in range(2):  # the second step: the allocator warm
+        gc.collect()
+        before = resident()
+        loss = model(input_ids=ids, targets=ids)
+        loss = getattr(loss, "loss", loss)
+        held[mode] = resident() - before
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        del loss
+print(json.dumps(held))
+"""
+
+
+def test_the_activation_estimate_is_what_a_step_keeps_for_its_backward():
+    """What a real forward keeps until its backward (the process's resident growth: every saved tensor is over
+    the mmap threshold, so freeing one returns it) against the estimate, per checkpointing mode, within 15 %."""
+    import subprocess
+    import sys
+
+    from trainer.planning.model_size import gpu_memory_bytes
+
+    raw = {"vocab_size": 256, "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 2}
+    modes = ["none", "full", "selective"]
+    done = subprocess.run([sys.executable, "-c", _SAVED_BYTES, json.dumps(raw), *modes], capture_output=True,
+                          text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+                          cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    held = json.loads(done.stdout.splitlines()[-1])
+    for mode in modes:
+        estimate = gpu_memory_bytes(ModelShape.from_config(raw), shard_ranks=1, batch_size=2, seq_len=1024,
+                                    activation_checkpointing=mode, param_bytes=4)["activations"]
+        assert abs(estimate - held[mode]) <= 0.15 * held[mode], (mode, held[mode] / 2**20, estimate / 2**20)
+    assert held["none"] > 2 * held["selective"] > 4 * held["full"]  # each mode keeps what it says
+
+
+def test_accumulated_gradients_are_the_whole_models_in_the_reduce_dtype(tmp_path):
+    """FSDP2 between micro-batches (set_requires_gradient_sync(False)) with bf16 parameters and fp32 reductions:
+    the unsharded gradients it keeps are the estimate's accumulated_gradients, byte for byte."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaConfig
+
+    from trainer.model.build import build_model
+    from trainer.planning.model_size import gpu_memory_bytes
+
+    raw = {**MODEL_PRESETS["tiny"], "vocab_size": 300}
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = build_model(LlamaConfig(**raw), 0)
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mixed)
+        fully_shard(model, mp_policy=mixed)
+        model.set_requires_gradient_sync(False)
+        ids = torch.randint(0, 300, (2, 16))
+        model(input_ids=ids, targets=ids).backward()
+        kept = [p for group in (m._get_fsdp_state()._fsdp_param_group for m in model.modules()
+                                if hasattr(m, "_get_fsdp_state")) if group is not None for p in group.fsdp_params]
+        accumulated = sum(p.unsharded_accumulated_grad.nbytes for p in kept
+                          if p.unsharded_accumulated_grad is not None)
+        assert {p.unsharded_accumulated_grad.dtype for p in kept} == {torch.float32}
+    finally:
+        dist.destroy_process_group()
+    estimate = gpu_memory_bytes(ModelShape.from_config(raw), shard_ranks=1, batch_size=2, seq_len=16,
+                                grad_accum_steps=4, reduce_gradients="per_step")
+    assert estimate["accumulated_gradients"] == accumulated == 4 * ModelShape.from_config(raw).parameters
+    assert gpu_memory_bytes(ModelShape.from_config(raw), shard_ranks=1, batch_size=2, seq_len=16, grad_accum_steps=4,
+                            reduce_gradients="per_micro_batch")["accumulated_gradients"] == 0

@@ -7,8 +7,9 @@ Layout of one checkpoint directory::
 
 Commit: every rank writes its shards into ``step-N.tmp``, hashing them as it writes; after a barrier rank 0
 writes ``manifest.json`` (every file with size and content hash, from the writers' digests: nothing is read
-again; the step, world size, model config, config hash, library versions) and renames the folder to ``step-N``. A checkpoint counts only when its manifest verifies, so a crash at
-any point leaves either the previous checkpoints or a complete new one — never a half-written "latest".
+again; the step, world size, model config, config hash, library versions) and renames the folder to
+``step-N``. A checkpoint counts only when its manifest verifies, so a crash at any point leaves either the
+previous checkpoints or a complete new one — never a half-written "latest".
 DCP itself has no checksums and reads non-tensor items with pickle, which is why nothing is loaded from a
 folder whose manifest did not verify.
 """

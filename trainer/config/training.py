@@ -147,8 +147,8 @@ class TrainingConfig:
 
     reduce_gradients: Literal["per_step", "per_micro_batch"] = "per_step"
     """With grad_accum_steps > 1: per_step reduce-scatters the gradients once per optimizer step (FSDP2's
-    set_requires_gradient_sync: the micro-batches accumulate unsharded gradients, one parameter-sized buffer in
-    param dtype per rank); per_micro_batch reduce-scatters after each (least memory, N times the traffic)."""
+    set_requires_gradient_sync: the micro-batches accumulate unsharded gradients, one buffer of the whole model per
+    rank in the reduce dtype: 32 GB in fp32 at 8B); per_micro_batch reduce-scatters after each (least memory, N times the traffic)."""
 
     data_parallel_replicate_degree: int = 1
     """Native HSDP: the ranks form a (replicate x shard) mesh; FSDP2 shards each parameter over the shard

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.planning.model_size import gib, gpu_memory_bytes, model_shape
+from trainer.planning.model_size import gib, gpu_memory_of, model_shape
 from trainer.resilience import nvrx_compat
 
 MIN_INITIAL_HEARTBEAT_SECONDS = 120.0
@@ -84,9 +84,7 @@ def sizing_summary(cfg: Config, data_dir: Path | None = None) -> str:
     """One line of what the launch sized from the model, for the train step's log."""
     shape = model_shape(cfg, data_dir)
     t = cfg.training
-    memory = gpu_memory_bytes(shape, shard_ranks=t.num_nodes * t.nproc_per_node // t.replica_groups,
-                              batch_size=t.batch_size, seq_len=t.seq_len,
-                              activation_checkpointing=cfg.training.activation_checkpointing != "none")
+    memory = gpu_memory_of(shape, cfg)
     source = f"config.json of {cfg.base_model_dir}" if cfg.model.init_from else f"preset {cfg.model.preset}"
     return (f"model: {shape.parameters / 1e9:.3g} B parameters ({source}), training state "
             f"{gib(shape.state_bytes)}; node memory {node_memory_gib(cfg, data_dir)} GiB; each GPU holds about "

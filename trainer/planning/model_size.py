@@ -2,7 +2,7 @@
 its training state holds, and an estimate of each GPU's memory.
 
     shape = model_shape(cfg, data_dir)     # the base model's config.json (model.init_from), else the preset
-    shape.parameters, shape.state_bytes, gpu_memory_bytes(shape, cfg)
+    shape.parameters, shape.state_bytes, gpu_memory_of(shape, cfg)
 
 Everything the launch sizes from the model — the node-memory volume, ft_launcher's first heartbeat, the start-up
 phases' timeouts, the planner's save and reload costs, the GPU memory estimate — takes the real model's figures
@@ -117,21 +117,73 @@ def model_shape(cfg, data_dir: Path | None = None) -> ModelShape:
     return ModelShape.from_config({**preset, "vocab_size": vocab_size(cfg, data_dir)})
 
 
+def layer_activation_elements(shape: ModelShape, activation_checkpointing: str) -> int:
+    """Elements one decoder layer keeps per token from its forward for its backward (in the compute dtype).
+
+    none: what each op's backward needs, eager, under sdpa's flash path (no [seq, seq] scores): each RMSNorm its
+    input, the normalized input and its output (3h, twice), q, k and v after rope, the attention's output and
+    its contiguous copy for o_proj (3q + 2kv), gate, up, silu(gate) and their product (4i); compiled blocks keep
+    less (inductor fuses the norms: ~0.75 of this on the CPU). full: the layer's input alone (the rest is
+    recomputed in the backward); selective (op, trainer.model.parallelize._op_level_contexts): the input, of the
+    matmuls every second output (q, v, gate, down), and the attention's output. Measured against a real step's
+    saved bytes by tests/unit/test_model_size.py."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    if activation_checkpointing == "full":
+        return h
+    if activation_checkpointing == "selective":
+        return h + (q + kv + i + h) + q
+    return 6 * h + 3 * q + 2 * kv + 4 * i
+
+
 def gpu_memory_bytes(shape: ModelShape, *, shard_ranks: int, batch_size: int, seq_len: int,
-                     activation_checkpointing: bool) -> dict[str, int]:
-    """An estimate of one GPU's memory under FSDP2 with bf16 compute (parameters, gradients and AdamW sharded in
-    fp32 over shard_ranks; two layers unsharded in bf16 at a time, for prefetch; activations of the sdpa
-    (flash) attention path, 34 bytes per token and hidden unit per layer, Korthikanti et al. 2022, or the layer
-    inputs alone with activation checkpointing; the logits in bf16 and in fp32 for the loss, and their gradient)."""
+                     activation_checkpointing: str = "none", selective_every: int = 0, grad_accum_steps: int = 1,
+                     reduce_gradients: str = "per_step", param_bytes: int = 2, reduce_bytes: int = 4,
+                     loss_chunk: int = 1024) -> dict[str, int]:
+    """An estimate of one GPU's memory in a training step under FSDP2 (trainer.model.parallelize):
+    - sharded_state: fp32 parameters, gradients and AdamW's two moments, over shard_ranks;
+    - gathered_layers: two layers unsharded in the compute dtype at a time (the next one prefetched);
+    - accumulated_gradients: with grad_accum_steps > 1 and reduce_gradients per_step, FSDP2 keeps every
+      parameter's unsharded gradient between micro-batches, in the reduce dtype (torch/distributed/fsdp/
+      _fully_shard/_fsdp_param.py, to_accumulated_grad_if_needed: upcast to reduce_dtype), the whole model's;
+    - activations: each layer's saved elements (layer_activation_elements) per token, in the compute dtype;
+      selective_every N > 0 checkpoints every N-th layer fully and keeps the others' whole;
+    - recomputed_layer: with checkpointing, one layer's activations recomputed during its backward;
+    - logits: one loss chunk's (trainer.model.loss: `loss_chunk` positions of every sequence at a time), in the
+      compute dtype, in fp32 for the cross-entropy, and the fp32 gradient."""
     tokens = batch_size * seq_len
     sharded = SHARDED_BYTES_PER_PARAMETER * shape.parameters // shard_ranks
-    gathered = 2 * 2 * shape.layer_parameters
-    per_layer = (2 if activation_checkpointing else 34) * tokens * shape.hidden_size
-    activations = shape.num_hidden_layers * per_layer + (34 * tokens * shape.hidden_size if activation_checkpointing
-                                                          else 0)
-    logits = tokens * shape.vocab_size * (2 + 4 + 4)
-    parts = {"sharded_state": sharded, "gathered_layers": gathered, "activations": activations, "logits": logits}
+    gathered = 2 * param_bytes * shape.layer_parameters
+    accumulated = (reduce_bytes * shape.parameters
+                   if grad_accum_steps > 1 and reduce_gradients == "per_step" else 0)
+    whole = layer_activation_elements(shape, "none")
+    layers = shape.num_hidden_layers
+    if activation_checkpointing == "selective" and selective_every > 0:
+        checkpointed = math.ceil(layers / selective_every)
+        per_token = checkpointed * layer_activation_elements(shape, "full") + (layers - checkpointed) * whole
+    else:
+        per_token = layers * layer_activation_elements(shape, activation_checkpointing)
+    # The final norm's input, normalized input and output (the loss's chunks recompute their logits from it).
+    activations = param_bytes * tokens * (per_token + 3 * shape.hidden_size)
+    recomputed = param_bytes * tokens * whole if activation_checkpointing != "none" else 0
+    logits = batch_size * min(loss_chunk, seq_len) * shape.vocab_size * (param_bytes + 4 + 4)
+    parts = {"sharded_state": sharded, "gathered_layers": gathered, "accumulated_gradients": accumulated,
+             "activations": activations, "recomputed_layer": recomputed, "logits": logits}
     return {**parts, "total": sum(parts.values())}
+
+
+def gpu_memory_of(shape: ModelShape, cfg, *, on_gpu: bool = True) -> dict[str, int]:
+    """gpu_memory_bytes for a config's training (its ranks, batch, checkpointing, accumulation and dtypes)."""
+    t = cfg.training
+    param = t.mixed_precision_param
+    param_bytes = DTYPE_BYTES[param] if param != "auto" else (2 if on_gpu else 4)
+    return gpu_memory_bytes(shape, shard_ranks=t.num_nodes * t.nproc_per_node // t.replica_groups,
+                            batch_size=t.batch_size, seq_len=t.seq_len,
+                            activation_checkpointing=t.activation_checkpointing,
+                            selective_every=0 if t.selective_ac == "op" else int(t.selective_ac),
+                            grad_accum_steps=t.grad_accum_steps, reduce_gradients=t.reduce_gradients,
+                            param_bytes=param_bytes, reduce_bytes=DTYPE_BYTES[t.mixed_precision_reduce],
+                            loss_chunk=t.loss_chunk)
 
 
 def gib(nbytes: float) -> str:
