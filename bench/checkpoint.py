@@ -57,8 +57,8 @@ from components.train.local import run_local_training  # noqa: E402
 from components.train.report import read_metrics  # noqa: E402
 from trainer.checkpoint import reads  # noqa: E402
 from trainer.checkpoint.commit import STALL_FIGURES  # noqa: E402
-from trainer.checkpoint.format import MANIFEST, write_manifest  # noqa: E402
-from trainer.checkpoint.hashing_writer import WRITTEN_DIGESTS, HashingFileSystemWriter  # noqa: E402
+from trainer.checkpoint.format import MANIFEST, WRITTEN_DIGESTS, write_manifest  # noqa: E402
+from trainer.checkpoint.hashing_writer import HashingFileSystemWriter  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.observe import logs  # noqa: E402
 from trainer.planning.measured import MeasuredRun  # noqa: E402

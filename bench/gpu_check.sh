@@ -12,7 +12,8 @@
 #   memcopy   perf-eager again with the node-memory copy after every step and an async FSx save at step 10: the
 #             step's wall time against perf-eager's (the copy's cost), and the loop's stall per save;
 #   restart   SIGKILL of the training process under ft_launcher on NCCL (one rank: NCCL refuses two ranks on one
-#             GPU), and its recovery seconds from node memory; the `small` preset;
+#             GPU): its first step compiling cold and again after the restart (the run folder's compile cache), and
+#             its recovery seconds from node memory; the `small` preset;
 #   nan       a NaN drill: caught in its step, rolled back and skipped; the `small` preset.
 #   mem-*     perf-eager's model without checkpointing, with full checkpointing, and with 4 micro-batches a step
 #             (gradients accumulated unsharded): with the perf runs, each run's peak allocated memory against the

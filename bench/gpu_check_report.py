@@ -72,6 +72,9 @@ def run_figures(run: Path, log: Path) -> dict:
                                                         "reload_source", "reloaded_step", "lost_steps",
                                                         "reload_seconds", "reinit_seconds")}
                                  for e in read_events(run, "recovery")]
+        cache_fields = ("attempt", "step", "first_step_seconds", "fx_graph_hits", "fx_graph_misses",
+                        "aot_autograd_hits", "aot_autograd_misses")
+        figures["compile_cache"] = [{k: e.get(k) for k in cache_fields} for e in read_events(run, "compile_cache")]
         figures["numeric"] = [{k: v for k, v in e.items() if k not in ("rank", "attempt", "by_dataset", "time")}
                               for e in read_events(run) if e["event"] in ("numeric_anomaly", "numeric_rerun",
                                                                            "rollback", "data_skipped")]
@@ -114,6 +117,9 @@ def main() -> None:
         "memory_estimate_over_max_allocated": {name: run["memory_estimate_over_max_allocated"]
                                                for name, run in runs.items()
                                                if "memory_estimate_over_max_allocated" in run},
+        # the first step of the cold start (compiling) and of the start after the SIGKILL (the run folder's cache)
+        "restart_first_step_seconds": [c.get("first_step_seconds")
+                                       for c in runs.get("restart", {}).get("compile_cache", [])],
         "restart_recovery_seconds": [r.get("recovery_seconds") for r in runs.get("restart", {}).get("recoveries", [])],
     }
     text = json.dumps(report, indent=1, default=str)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,17 +133,24 @@ def test_selective_checkpointing_keeps_less_than_none_and_more_than_full():
 
 def test_compiled_blocks_train_the_same_losses_within_tolerance(trained_run, tmp_path, token_dir, training_config):
     """One compile (the tiny model's 3 blocks share their graph). Inductor's fused kernels reorder fp32 sums:
-    the losses agree to 1e-4 of their value, not bit for bit."""
+    the losses agree to 1e-4 of their value, not bit for bit. A SIGKILL at step 3 restarts the ranks: they load
+    the compiled graphs from the run folder's compile cache instead of compiling them again."""
     cfg, _ = trained_run
     reference = losses_by_step(cfg.run_dir / "metrics.jsonl")
     compiled = training_config(tmp_path, "compiled", "--training.num_steps=4", "--checkpoint.interval_steps=4",
-                               "--training.compile=true")
+                               "--training.compile=true", "--faults.schedule=sigkill@3:rank=1")
     run_local_training(compiled, token_dir)
     losses = losses_by_step(compiled.run_dir / "metrics.jsonl")
     assert sorted(losses) == [1, 2, 3, 4]
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=1e-4), (step, loss, reference[step])
     assert "compile True" in (compiled.run_dir / "train.log").read_text()
+
+    cold, restarted = read_events(compiled.run_dir, "compile_cache")
+    assert Path(cold["folder"]).parent == compiled.run_dir / "compile-cache" == Path(restarted["folder"]).parent
+    assert cold["fx_graph_misses"] > 0 and cold["fx_graph_hits"] == 0 and cold["aot_autograd_misses"] > 0
+    assert restarted["fx_graph_misses"] == 0 and restarted["aot_autograd_misses"] == 0
+    assert restarted["fx_graph_hits"] > 0 and restarted["aot_autograd_hits"] > 0
 
 
 HSDP = ["--training.nproc_per_node=4", "--training.data_parallel_replicate_degree=2",

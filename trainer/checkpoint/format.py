@@ -27,8 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint import reads
-from trainer.checkpoint.hashing_writer import HASH_ALGORITHM as WRITERS_ALGORITHM
-from trainer.checkpoint.hashing_writer import WRITTEN_DIGESTS, read_written_digests
 from trainer.run import digest
 from trainer.run.run_dir import write_json
 
@@ -47,7 +45,9 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-HASH_ALGORITHM = WRITERS_ALGORITHM  # xxh3-128: the writers hash what they write with the manifest's algorithm
+HASH_ALGORITHM = "xxh3_128"
+# What the ranks' writers hashed as they wrote (trainer.checkpoint.hashing_writer), until the manifest takes it in.
+WRITTEN_DIGESTS = "written-digests.json"
 
 
 def hasher(algorithm: str):
@@ -71,6 +71,15 @@ def library_versions() -> dict[str, str]:
         except PackageNotFoundError:
             versions[package] = "absent"
     return versions
+
+
+def read_written_digests(folder: Path) -> dict[str, dict[str, Any]]:
+    """What the writers hashed as they wrote, by file name ({} when the folder's writer did not hash: NVRx's)."""
+    path = Path(folder) / WRITTEN_DIGESTS
+    if not path.is_file():
+        return {}
+    recorded = json.loads(path.read_text())
+    return recorded["files"] if recorded.get("hash_algorithm") == HASH_ALGORITHM else {}
 
 
 def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[str, Any]:

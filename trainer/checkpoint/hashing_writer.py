@@ -27,10 +27,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from trainer.checkpoint.format import HASH_ALGORITHM, WRITTEN_DIGESTS
 from trainer.run import digest
 
-WRITTEN_DIGESTS = "written-digests.json"
-HASH_ALGORITHM = "xxh3_128"
 _DIGESTS_KEY = "__resilient_train.written_digests__"  # no state-dict key starts with "__"
 
 
@@ -128,12 +127,3 @@ class HashingFileSystemWriter(FileSystemWriter):
             json.dump({"hash_algorithm": HASH_ALGORITHM, "files": written}, handle)
             handle.flush()
             os.fsync(handle.fileno())
-
-
-def read_written_digests(folder: Path) -> dict[str, dict[str, Any]]:
-    """What the writers hashed as they wrote, by file name ({} when the folder's writer did not hash: NVRx's)."""
-    path = Path(folder) / WRITTEN_DIGESTS
-    if not path.is_file():
-        return {}
-    recorded = json.loads(path.read_text())
-    return recorded["files"] if recorded.get("hash_algorithm") == HASH_ALGORITHM else {}

@@ -122,7 +122,14 @@ class TrainingConfig:
 
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each decoder block and the loss's chunk (inductor). auto: on CUDA, off on the CPU (its compile
-    time outweighs a CPU run's gain). The first steps of every start pay the compile (~1 min for 8B)."""
+    time outweighs a CPU run's gain). A cold start pays the compile (~1 min for 8B); a restart takes the compiled
+    code from compile_cache."""
+
+    compile_cache: str = "run"
+    """Where inductor's FX-graph and AOTAutograd caches (and Triton's kernels) live, so a restart, on this node or a
+    replacement, loads the compiled blocks instead of compiling them again (trainer.model.compile_cache). run: the
+    run folder's compile-cache/ (on FSx: every node reads it); a path: that folder (shared by runs); off: torch's
+    default, this machine's /tmp. Within it, a folder per torch version, device and model config."""
 
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute activations in the backward pass instead of keeping them: full (every decoder layer), selective
@@ -176,6 +183,7 @@ class TrainingConfig:
         require(self.grad_clip >= 0, "training.grad_clip", "must be >= 0 (0 disables clipping)")
         require(self.selective_ac == "op" or self.selective_ac >= 1, "training.selective_ac",
                 "must be op or a layer interval >= 1")
+        require(bool(self.compile_cache.strip()), "training.compile_cache", "must be run, off or a folder")
         require(self.peak_tflops >= 0, "training.peak_tflops", "must be >= 0 (0: from the device's name)")
         replicate = self.data_parallel_replicate_degree
         require(replicate >= 1, "training.data_parallel_replicate_degree", "must be >= 1")

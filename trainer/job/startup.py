@@ -44,7 +44,8 @@ from trainer.evaluate.evaluator import Evaluator
 from trainer.evaluate.heldout import Ranks
 from trainer.model.base import BASE_INDEX, BaseModelError, index_base_weights, read_base_config, read_index
 from trainer.model.build import build_model, build_model_on_meta, model_config_of, materialize_on
-from trainer.model.parallelize import device_mesh, parallelize
+from trainer.model.compile_cache import use_compile_cache
+from trainer.model.parallelize import compiles, device_mesh, parallelize
 from trainer.model.optimizer import build_optimizer, initialize_state
 from trainer.observe import logs
 from trainer.observe.progress import ProgressReporter
@@ -97,6 +98,7 @@ class StartedProcess:
     progress: ProgressReporter
     prefetch: RestorePrefetch | None
     evaluator: Evaluator
+    compile_cache: Path | None = None  # where inductor's caches live (trainer.model.compile_cache), when compiling
 
 
 def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | None,
@@ -138,6 +140,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     weights_pending = base_weights is not None or a_resume_is_likely(cfg, world_size, device)
     model = build_model_on_meta(model_config) if weights_pending else build_model(model_config, cfg.run.seed)
     mesh = device_mesh(cfg.training, world_size, device)
+    compile_cache = (use_compile_cache(cfg.training.compile_cache, cfg.run_dir, model_config.to_dict(), device)
+                     if compiles(cfg.training, device) else None)
     model = parallelize(model if weights_pending else model.to(device), cfg.training, device, mesh)
     if weights_pending:
         materialize_on(model, device)
@@ -192,7 +196,8 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
         run_dir=RunDir(cfg.run_dir), events=events, history=history, restart_budget=restart_budget, model=model,
         model_config=model_config, weights_pending=weights_pending, base_weights=base_weights,
         optimizer=optimizer, batches=batches, telemetry=telemetry, resilience=resilience, checkpointer=checkpointer,
-        interval_planner=interval_planner, progress=progress, prefetch=prefetch, evaluator=evaluator)
+        interval_planner=interval_planner, progress=progress, prefetch=prefetch, evaluator=evaluator,
+        compile_cache=compile_cache)
 
 
 def base_weights_of(cfg: Config, rank: int, world_size: int) -> dict[str, Any] | None:

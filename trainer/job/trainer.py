@@ -33,6 +33,7 @@ from trainer.job.continuation import take_up_data_phases, take_up_schedule
 from trainer.job.step import MetricsWriter, clip, forward_backward, mean_targets, step_extras, total
 from trainer.model.base import load_base_weights
 from trainer.model.build import build_model, copy_initial_weights
+from trainer.model.compile_cache import cache_counts
 from trainer.model.parallelize import local_shard
 from trainer.model.optimizer import initialize_state, optimizer_groups_of
 from trainer.observe.flops import StepFigures
@@ -69,6 +70,7 @@ class Trainer:
         self.telemetry, self.resilience, self.checkpointer = started.telemetry, started.resilience, started.checkpointer
         self.interval_planner, self.progress = started.interval_planner, started.progress
         self._prefetch, self.evaluator = started.prefetch, started.evaluator
+        self._compile_cache = started.compile_cache
         self.replica_groups.attach(self.model, self.live_state, self.load_live_state)
         self.replica_groups.on_heal = self.resilience.note_heal
         # the sample windows never trained (rolled back and skipped: trainer.job.numeric_recovery), run-wide
@@ -308,6 +310,11 @@ class Trainer:
                     self.resilience.discarded_step(self.step)
                     continue
                 self.watchdog.close()  # start-up is over: ft_launcher's heartbeats watch the loop
+                if self._compile_cache is not None and self.rank == 0:
+                    # This start's first step compiled the blocks or loaded them: what it cost, and from where.
+                    self.events.write("compile_cache", step=self.step, folder=str(self._compile_cache),
+                                      first_step_seconds=metrics["step_seconds"], **cache_counts())
+                    self._compile_cache = None
                 metrics.update(self.evaluator.periodic(self.step))  # val_loss every eval.every_steps
                 if self.replica_groups.writes_run_files:  # one group writes each step's line
                     writer.write(metrics)

@@ -22,6 +22,7 @@ temporary name, then a rename), so a reader never sees half a file:
     mlflow-spool/      MLflow writes not yet delivered; rejected.jsonl, those refused (components.tracking)
     logs/pipeline.log  everything the local runner printed (pipelines.console); logs/ also has the servers' logs
     checkpoints/       committed checkpoints (unless checkpoint.dir says otherwise)
+    compile-cache/<key>/  inductor's compiled blocks, read again by every restart (trainer.model.compile_cache)
     plots/, generations.json, logs/, summary.json
 """
 
