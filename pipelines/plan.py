@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from trainer.planning.fsx import checkpoint_needs, smallest_persistent_2
 from trainer.planning.goodput import CONFIGURATIONS, Costs, Plan, PlanError, make_plan
 from trainer.planning.model_size import ModelSizeError, gib, gpu_memory_of, model_shape, throughput_seconds
 from trainer.planning.simulate import FailureModel, simulate_many
@@ -107,7 +108,7 @@ def costs_from_config(cfg) -> tuple[dict[str, float], list[str]]:
     memory = gpu_memory_of(shape, cfg)
     source = f"config.json of {cfg.base_model_dir}" if cfg.model.init_from else f"preset {cfg.model.preset}"
     lines = [f"model: {shape.parameters / 1e9:.2f} B parameters ({source}); training state {gib(shape.state_bytes)}: "
-             f"an FSx save or reload {state:.0f} s at {throughput:g} MB/s"
+             f"an FSx save or reload {state:.0f} s at {throughput:.0f} MB/s"
              + (f", the base model's first read {costs['startup_seconds']:.0f} s" if cfg.model.init_from else ""),
              f"each GPU holds about {gib(memory['total'])}: sharded state {gib(memory['sharded_state'])} (over "
              f"{shard_ranks} ranks), activations {gib(memory['activations'])} (checkpointing "
@@ -116,6 +117,39 @@ def costs_from_config(cfg) -> tuple[dict[str, float], list[str]]:
              + (f", gradients accumulated unsharded in {t.mixed_precision_reduce} over {t.grad_accum_steps} "
                 f"micro-batches {gib(memory['accumulated_gradients'])}" if memory["accumulated_gradients"] else "")]
     return costs, lines
+
+
+def fsx_sizing(cfg, step_seconds: float, plan: Plan) -> tuple[dict[str, Any], list[str]]:
+    """The FSx file system the config's checkpoints need (trainer.planning.fsx) against the configured one: the
+    figures, and lines that say so. The interval: checkpoint.interval_steps, or (auto) the recommended plan's."""
+    k, c = cfg.kubernetes, cfg.checkpoint
+    shape = model_shape(cfg, cfg.dataset_dir)
+    fsx_tier = plan.recommended["tiers"].get("fsx") or {}
+    interval_steps = c.interval_steps if c.interval_steps != "auto" else fsx_tier.get("interval_steps", 1)
+    base_bytes = 1.1 * shape.weights_bytes if cfg.model.init_from else 0.0
+    need_bytes, need_mbps = checkpoint_needs(shape.state_bytes, c.keep_last, interval_steps * step_seconds, base_bytes)
+    smallest = smallest_persistent_2(need_bytes, need_mbps)
+    enough = k.fsx_storage_gib * 2**30 >= need_bytes and k.fsx_throughput_mbps >= need_mbps
+    figures = {"checkpoint_bytes": shape.state_bytes, "interval_steps": interval_steps,
+               "interval_seconds": interval_steps * step_seconds, "needed_bytes": need_bytes,
+               "needed_mbps": need_mbps, "smallest_persistent_2": dataclasses.asdict(smallest),
+               "configured": {"deployment_type": k.fsx_deployment_type, "storage_gib": k.fsx_storage_gib,
+                              "per_unit_throughput": k.fsx_per_unit_throughput, "throughput_mbps": k.fsx_throughput_mbps},
+               "enough": enough, "durable_copy": "s3" if c.s3_uri else k.fsx_deployment_type}
+    tier = f" at {k.fsx_per_unit_throughput} MB/s/TiB" if k.fsx_deployment_type == "PERSISTENT_2" else ""
+    lines = [f"FSx: a {shape.state_bytes / 1e9:.1f} GB checkpoint every {interval_steps} steps ({interval_steps * step_seconds:.0f} s) "
+             f"written at half the throughput within its interval needs >= {need_mbps:.0f} MB/s; keep_last "
+             f"{c.keep_last} + 1 being written{' + the base model' if base_bytes else ''}: >= {need_bytes / 1e9:.0f} GB "
+             f"-> the smallest PERSISTENT_2: {smallest.storage_gib} GiB at {smallest.per_unit_mbps_per_tib} MB/s/TiB "
+             f"({smallest.throughput_mbps:.0f} MB/s)",
+             f"configured: {k.fsx_deployment_type} {k.fsx_storage_gib} GiB{tier}, {k.fsx_throughput_mbps:.0f} MB/s: "
+             + ("enough" if enough else "NOT enough (saves queue behind each other, or the folder fills): set "
+                f"kubernetes.fsx_deployment_type=PERSISTENT_2, fsx_storage_gib={smallest.storage_gib}, "
+                f"fsx_per_unit_throughput={smallest.per_unit_mbps_per_tib}")]
+    if not c.s3_uri and k.fsx_deployment_type == "SCRATCH_2":
+        lines.append("the job's only durable copy is on SCRATCH_2 (one copy, lost with a file server): set "
+                     "checkpoint.s3_uri, or PERSISTENT_2")
+    return figures, lines
 
 
 def build_costs(args: argparse.Namespace, measured: dict[str, float], implied: dict[str, float] | None = None
@@ -277,11 +311,13 @@ def plan_command(args: argparse.Namespace, tracking_uri: str, cfg=None) -> str:
     costs = build_costs(args, measured, implied)
     names = [n.strip() for n in args.configurations.split(",")] if args.configurations else None
     plan = make_plan(costs, names)
+    fsx, fsx_lines = fsx_sizing(cfg, costs.step_seconds, plan) if args.from_config else ({}, [])
+    model_lines = [*model_lines, *fsx_lines]
     simulated = _simulated(plan, args) if args.simulate > 0 else None
     if args.plot:
         plot_goodput(costs, args.plot, names)
     budget = restart_budget(costs, args.work_days, args.simulate, args.seed)
     rendered = render_plan(plan, args.format, simulated, budget)
     if args.format == "json" and model_lines:
-        return json.dumps({**json.loads(rendered), "model": model_lines}, indent=2)
+        return json.dumps({**json.loads(rendered), "model": model_lines, "fsx": fsx}, indent=2)
     return "\n".join([*model_lines, rendered]) if model_lines else rendered

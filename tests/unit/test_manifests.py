@@ -269,3 +269,20 @@ def test_the_roles_allow_every_call_of_the_export(config):
     for document in (trainer, pipeline):
         assert _allowed(document, "s3:ListBucket", bucket, prefix=f"{prefix}/")
     assert not _allowed(trainer, "s3:PutObject", f"{bucket}/mlflow/x")  # the tracking server's store stays its own
+
+
+@pytest.mark.parametrize("config", ["eks-prod", "eks-cpt", "eks-sft"])
+def test_the_8b_jobs_keep_a_durable_copy_the_trainer_may_write(config):
+    """A 30-day job's checkpoints outlive a failed file server: FSx is PERSISTENT_2 (SCRATCH_2 keeps one copy) and
+    every few commits go to S3, under the prefix the trainer's role may write (s3_tier.py's calls, as above)."""
+    from trainer.config import load_config
+
+    cfg = load_config(f"pipelines/configs/{config}.yaml", ["--run.run_id=run-1"])
+    assert cfg.kubernetes.fsx_deployment_type == "PERSISTENT_2"
+    assert cfg.checkpoint.s3_uri.startswith("s3://") and cfg.checkpoint.s3_every >= 1
+    document = json.loads((MANIFESTS / "iam" / "trainer-policy.json").read_text())
+    prefix = f"{cfg.checkpoint.s3_uri.split('/', 3)[3]}/run-1"
+    bucket = "arn:aws:s3:::ARTIFACT_BUCKET"
+    assert _allowed(document, "s3:ListBucket", bucket, prefix=f"{prefix}/")
+    for action in ("s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert _allowed(document, action, f"{bucket}/{prefix}/step-000200/__0_0.distcp"), action

@@ -67,12 +67,13 @@ def test_what_a_launch_sizes_from_the_model_follows_the_base_models_config_not_t
 def test_the_restore_timeouts_grow_with_the_model_and_a_users_setting_wins(tmp_path):
     config = {**json.loads((LLAMA_8B / "config.json").read_text()), "num_hidden_layers": 320}  # ~70 B
     (tmp_path / "config.json").write_text(json.dumps(config))
-    cfg = load_config("pipelines/configs/eks-prod.yaml", [f"--model.init_from={tmp_path}"])
+    measured = "--kubernetes.fsx_throughput_mbps=240"  # what a busy file system gave, below its provisioned 586 MB/s
+    cfg = load_config("pipelines/configs/eks-prod.yaml", [f"--model.init_from={tmp_path}", measured])
     timeouts = startup_timeouts(cfg, None)
     state = model_shape(cfg).state_bytes
     assert timeouts["restore_fsx"] == pytest.approx(1.5 * state / 240e6, abs=1) and timeouts["restore_fsx"] > 3600
     assert timeouts["restore_base"] == 1800  # 1.1 x 141 GB of bf16 at 240 MB/s, x 1.5: under the default
-    user = load_config("pipelines/configs/eks-prod.yaml", [f"--model.init_from={tmp_path}",
+    user = load_config("pipelines/configs/eks-prod.yaml", [f"--model.init_from={tmp_path}", measured,
                                                            "--resilience.startup_timeouts=restore_fsx=99"])
     assert startup_timeouts(user, None)["restore_fsx"] == 99
 

@@ -275,3 +275,66 @@ def test_replica_groups_pay_only_from_some_cluster_size():
     # A slower quorum moves the crossover up.
     slower = replica_groups_pay_from(dataclasses.replace(costs, quorum_seconds=0.05))
     assert slower is None or slower > start
+
+
+# -- FSx for Lustre: its sizes by AWS's rules (trainer.config.fsx), and the smallest a job's checkpoints need ----
+
+@pytest.mark.parametrize("override, message", [
+    ("--kubernetes.fsx_storage_gib=3000", r"kubernetes.fsx_storage_gib: 3000 GiB is not a size FSx offers"),
+    ("--kubernetes.fsx_deployment_type=PERSISTENT_2",
+     r"kubernetes.fsx_per_unit_throughput: PERSISTENT_2 offers \(125, 250, 500, 1000\) MB/s/TiB, not 0"),
+    ("--kubernetes.fsx_per_unit_throughput=250", r"SCRATCH_2 has no throughput tier"),
+])
+def test_a_file_system_fsx_does_not_offer_is_refused_naming_the_field(override, message):
+    from trainer.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("local", [override])
+
+
+def test_the_throughput_is_the_provisioned_one_unless_measured():
+    from trainer.config import load_config
+
+    assert load_config("local", []).kubernetes.fsx_throughput_mbps == 1200 / 1024 * 200  # SCRATCH_2's baseline
+    persistent = ["--kubernetes.fsx_deployment_type=PERSISTENT_2", "--kubernetes.fsx_storage_gib=4800",
+                  "--kubernetes.fsx_per_unit_throughput=500"]
+    assert load_config("local", persistent).kubernetes.fsx_throughput_mbps == 4.6875 * 500
+    assert load_config("local", [*persistent, "--kubernetes.fsx_throughput_mbps=900"]).kubernetes.fsx_throughput_mbps == 900
+
+
+def test_the_smallest_persistent_2_holds_the_checkpoints_and_writes_one_within_its_interval():
+    from trainer.planning.fsx import checkpoint_needs, smallest_persistent_2
+
+    need_bytes, need_mbps = checkpoint_needs(96e9, keep_last=3, interval_seconds=1760, base_model_bytes=17.7e9)
+    assert need_bytes == 4 * 96e9 + 17.7e9 and need_mbps == pytest.approx(2 * 96e3 / 1760)
+    assert smallest_persistent_2(need_bytes, need_mbps) == smallest_persistent_2(401.7e9, 109.1)
+    size = smallest_persistent_2(need_bytes, need_mbps)
+    assert (size.storage_gib, size.per_unit_mbps_per_tib) == (1200, 125)
+    fast = smallest_persistent_2(need_bytes, 2000)  # the least storage that can, at the tier that gives it
+    assert (fast.storage_gib, fast.per_unit_mbps_per_tib) == (2400, 1000)
+    big = smallest_persistent_2(3000e9, 100)  # 2.8 TiB: past 2,400 GiB storage comes in steps of 2,400
+    assert (big.storage_gib, big.per_unit_mbps_per_tib) == (4800, 125)
+
+
+EKS_CPT = ["plan", "--config", "pipelines/configs/eks-cpt.yaml", "--from-config", "--step-seconds", "8.8",
+           "--checkpoint-stall-seconds", "1", "--model.init_from=tests/data/llama-3.1-8b"]
+
+
+def test_the_plan_says_what_fsx_the_checkpoints_need_and_whether_the_configured_one_does(capsys):
+    assert main([*EKS_CPT, "--format", "json"]) == 0
+    fsx = json.loads(capsys.readouterr().out)["fsx"]
+    assert fsx["interval_steps"] == 200 and fsx["enough"] and fsx["durable_copy"] == "s3"
+    assert fsx["configured"] == {"deployment_type": "PERSISTENT_2", "storage_gib": 2400, "per_unit_throughput": 250,
+                                 "throughput_mbps": 2400 / 1024 * 250}
+    # The planner's save and reload take the configured throughput: 96 GB at 586 MB/s.
+    assert main(EKS_CPT) == 0
+    out = capsys.readouterr().out
+    assert "an FSx save or reload 164 s at 586 MB/s" in out and "configured: PERSISTENT_2 2400 GiB" in out
+
+    scratch = ["--kubernetes.fsx_deployment_type=SCRATCH_2", "--kubernetes.fsx_per_unit_throughput=0",
+               "--checkpoint.s3_uri=", "--checkpoint.interval_steps=20"]
+    assert main([*EKS_CPT, *scratch]) == 0
+    out = capsys.readouterr().out
+    assert ("NOT enough (saves queue behind each other, or the folder fills): set kubernetes.fsx_deployment_type="
+            "PERSISTENT_2, fsx_storage_gib=1200, fsx_per_unit_throughput=1000") in out  # 1,172 MB/s
+    assert "the job's only durable copy is on SCRATCH_2" in out

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from trainer.config.fsx import throughput_mbps
 from trainer.config.rules import check_s3_uri, is_s3_uri, require
 
 
@@ -206,9 +207,21 @@ class KubernetesConfig:
     pipeline_image: str = "ghcr.io/example/resilient-train-pipeline:latest"
     """Slim CPU image of the pipeline's own steps and the MLflow server (docker/pipeline.Dockerfile)."""
 
-    fsx_throughput_mbps: float = 240.0
-    """Read throughput of the FSx file system in MB/s (SCRATCH_2: 200 MB/s per TiB of capacity), used to
-    size how long a resume may take (resilience.initial_heartbeat_timeout=0)."""
+    fsx_deployment_type: Literal["SCRATCH_2", "PERSISTENT_2"] = "SCRATCH_2"
+    """The FSx for Lustre file system's deployment type. PERSISTENT_2 for a job whose checkpoints must survive a
+    failed file server (SCRATCH_2 keeps one copy); `python -m pipelines plan --from-config` sizes one."""
+
+    fsx_storage_gib: int = 1200
+    """Its storage: 1200, 2400 or a multiple of 2400 GiB (trainer.config.fsx: AWS's rule)."""
+
+    fsx_per_unit_throughput: int = 0
+    """PERSISTENT_2's throughput tier: 125, 250, 500 or 1000 MB/s per TiB of storage. SCRATCH_2: 0 (its baseline,
+    200 MB/s/TiB)."""
+
+    fsx_throughput_mbps: float = 0.0
+    """The file system's throughput in MB/s, which the planner's save and reload times, the first heartbeat and the
+    start-up timeouts are sized by. 0: its provisioned one, fsx_storage_gib in TiB x the tier; set it to what you
+    measured when that is less."""
 
     progress_interval_seconds: float = 30.0
     """How often rank 0 reports progress: the TrainJob's status.trainerStatus (Kubeflow Trainer >= 2.2, when its
@@ -275,7 +288,10 @@ class KubernetesConfig:
                  "must be 'standalone' or 'multi-user'")
         require(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.kfp_namespace) is not None,
                  "kubernetes.kfp_namespace", "must be a DNS-1123 label")
-        require(self.fsx_throughput_mbps > 0, "kubernetes.fsx_throughput_mbps", "must be > 0")
+        provisioned = throughput_mbps(self.fsx_deployment_type, self.fsx_storage_gib, self.fsx_per_unit_throughput)
+        require(self.fsx_throughput_mbps >= 0, "kubernetes.fsx_throughput_mbps", "must be >= 0 (0: the provisioned)")
+        if not self.fsx_throughput_mbps:
+            self.fsx_throughput_mbps = provisioned
         require(self.gpus_per_node >= 0 and self.efa_per_node >= 0, "kubernetes.gpus_per_node",
                  "GPU and EFA counts must be >= 0")
         require(self.launcher_poll_seconds > 0, "kubernetes.launcher_poll_seconds", "must be > 0")
