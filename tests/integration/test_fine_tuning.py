@@ -24,6 +24,7 @@ from trainer.data.conversations import conversation_format
 from trainer.data.shards import DataError, tokenize_files
 from trainer.data.tokenizer import load_tokenizer
 from trainer.evaluate.lm_eval_tasks import metrics_of, task_specs
+from trainer.run.events import read_events
 from trainer.run.run_dir import RunDir, read_json, read_jsonl
 
 pytestmark = pytest.mark.integration
@@ -210,3 +211,39 @@ def test_a_chat_corpus_needs_a_tokenizer_with_a_chat_template(tmp_path):
     with pytest.raises(InputError, match="needs a tokenizer with a chat template.*data.tokenizer"):
         tokenize_files(_corpus(tmp_path / "raw", 6), tmp_path / "tokens", 0.1, "byte",
                        conversations=conversation_format(DataConfig(format="chat"), SEQ_LEN))
+
+
+def test_fine_tuning_in_two_replica_groups_rolls_back_a_nan_alike_and_heals_a_killed_group(
+        tmp_path, chat_tokenizer, training_config):
+    """The resilience paths of a fine-tuning run (packed conversations, targets on the assistant's turns): two
+    replica groups; a NaN batch at step 6 judged by both groups alike (the loss is averaged across groups first),
+    both rolled back to step 4 and skipping the same samples; then group 1 SIGKILLed at step 14, group 0 training
+    alone until group 1 heals from it. The groups agree on every step both trained; the run still learns."""
+    steps = 24
+    cfg = training_config(tmp_path, "sft-groups", "--data.format=chat", f"--data.tokenizer={chat_tokenizer}",
+                          f"--training.seq_len={SEQ_LEN}", f"--training.num_steps={steps}", "--training.lr=3e-3",
+                          "--training.num_nodes=2", "--training.replica_groups=2", "--checkpoint.interval_steps=4",
+                          "--resilience.heartbeat_timeout=30", "--resilience.quorum_timeout_seconds=20",
+                          "--resilience.replica_check_interval=1", "--resilience.lighthouse_heartbeat_timeout_seconds=0.5",
+                          "--resilience.rollback_steps=2", "--resilience.skip_steps=2",
+                          "--local.node_replacement_delay_seconds=1", "--resilience.straggler_interval=0",
+                          "--faults.schedule=nan@6:rank=1,sigkill@14:rank=3")
+    tokens = cfg.fsx_root / "datasets" / "chat"
+    tokenize_files(_corpus(tmp_path / "raw", 400), tokens, 0.1, chat_tokenizer,
+                   conversations=conversation_format(cfg.data, SEQ_LEN))
+
+    assert run_local_training(cfg, tokens)["steps"] == steps
+    records = read_jsonl(cfg.run_dir / "metrics.jsonl")
+    participants = {int(r["step"]): r["participants"] for r in records}
+    assert sorted(participants) == list(range(1, steps + 1)) and participants[steps] == 2
+    both = [r for r in records if r["participants"] == 2]
+    assert both and all(r.get("replicas_equal") is True for r in both)
+    assert all(np.isfinite(r["loss"]) for r in records)
+    rollbacks = read_events(cfg.run_dir, "rollback")
+    assert sorted((r["group"], r["anomaly_step"], r["reloaded_step"]) for r in rollbacks) == [(0, 6, 4), (1, 6, 4)]
+    skipped = read_events(cfg.run_dir, "data_skipped")
+    assert len({(s["start"], s["end"]) for s in skipped}) == 1 and {s["group"] for s in skipped} == {0, 1}
+    heals = read_events(cfg.run_dir, "replica_group_heal")
+    assert sorted(h["rank"] for h in heals) == [2, 3] and {h["donor_group"] for h in heals} == {0}
+    assert any(count == 1 for step, count in participants.items() if step > 14)  # group 0 alone meanwhile
+    assert np.mean([r["loss"] for r in records[-3:]]) < 0.5  # the answer learnt from the assistant's turns
