@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from trainer.checkpoint.hashing_writer import HashingFileSystemWriter
+from trainer.checkpoint.hashing_writer import HashingFileSystemWriter, data_results
 from trainer.config import CheckpointConfig
 from trainer.resilience import nvrx_compat
 
@@ -46,7 +46,7 @@ class _WriterThatFailsMidWrite(HashingFileSystemWriter):
         self.fault_key = fault_key
 
     def write_data(self, plan, planner):
-        results = super().write_data(plan, planner).wait()
+        results = data_results(super().write_data(plan, planner).wait())
         files = sorted({r.storage_data.relative_path for r in results})
         torn = self.folder / files[-1]
         with torn.open("r+b") as handle:

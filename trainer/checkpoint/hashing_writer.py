@@ -115,7 +115,7 @@ class HashingFileSystemWriter(FileSystemWriter):
         written: dict[str, dict[str, Any]] = {}
         kept = []
         for rank_results in results:
-            kept.append([r for r in rank_results if not r.index.fqn.startswith(_DIGESTS_KEY)])
+            kept.append(data_results(rank_results))
             for carried in rank_results:
                 if carried.index.fqn.startswith(_DIGESTS_KEY):
                     written.update(carried.storage_data)
@@ -127,3 +127,8 @@ class HashingFileSystemWriter(FileSystemWriter):
             json.dump({"hash_algorithm": HASH_ALGORITHM, "files": written}, handle)
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def data_results(results: list[WriteResult]) -> list[WriteResult]:
+    """A rank's write results without the one carrying its digests: what DCP's own writer returns."""
+    return [r for r in results if not r.index.fqn.startswith(_DIGESTS_KEY)]
