@@ -55,6 +55,10 @@ class _WriterThatFailsMidWrite(HashingFileSystemWriter):
                                    "half-written")
 
 
+# The background write's own collectives time out after this (a peer gone mid-write): no write waits longer.
+BACKGROUND_WRITE_TIMEOUT = datetime.timedelta(minutes=30)
+
+
 def writer_for(folder: Path, fail_with: str | None):
     """DCP's file-system writer hashing what it writes, or the drill's failing one when a writer-crash fault is
     due."""
@@ -128,7 +132,7 @@ class TorchAsyncBackend:
         self._reniced: set[int] = set()
         # Its own group with a long timeout: background writes may take minutes, and the main group's
         # timeout can be short (in-process restart on gloo).
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+        self.group = dist.new_group(backend="gloo", timeout=BACKGROUND_WRITE_TIMEOUT)
         on_cuda = device.type == "cuda"
         # Shared memory: the background process reads the staged tensors in place instead of receiving
         # pickled copies. The stager caches these buffers, so later saves copy into warm memory.

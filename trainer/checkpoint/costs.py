@@ -45,3 +45,8 @@ class SaveCosts:
 
     def committed(self, step: int, commit_seconds: float) -> None:
         self.by_step.setdefault(step, {})["commit"] = commit_seconds
+
+    def longest_write_seconds(self) -> float | None:
+        """The longest a save of this process took from its hand-off to its commit (None: none finished)."""
+        writes = [c["background"] + c.get("commit", 0.0) for c in self.by_step.values() if "background" in c]
+        return max(writes, default=None)

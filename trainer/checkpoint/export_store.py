@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainer.config.rules import InputError, is_s3_uri
 
@@ -78,9 +78,10 @@ def check_writable(export_uri: str, endpoint_url: str = "") -> None:
                                    "role may write (s3:PutObject, s3:DeleteObject), or a writable folder") from err
 
 
-def upload_share(folder: Path, uri: str, rank: int, world_size: int, endpoint_url: str = "") -> dict[str, Any]:
-    """This rank's share of the export's files (every world_size-th, by name) to the S3 URI. Raises
-    ExportStoreError naming the file and the URI."""
+def upload_share(folder: Path, uri: str, rank: int, world_size: int, endpoint_url: str = "",
+                 beat: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """This rank's share of the export's files (every world_size-th, by name) to the S3 URI; beat() after each
+    (a heartbeat: 16 GB of files take minutes). Raises ExportStoreError naming the file and the URI."""
     started = time.perf_counter()
     bucket, prefix = _split(uri)
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != EXPORT_COMPLETE)[rank::world_size]
@@ -90,6 +91,7 @@ def upload_share(folder: Path, uri: str, rank: int, world_size: int, endpoint_ur
             client.upload_file(str(path), bucket, f"{prefix}/{path.name}", Config=config)
         except Exception as err:  # botocore and s3transfer raise many types; all mean "not uploaded"
             raise ExportStoreError(f"uploading {path} to {uri}/{path.name} failed: {err}") from err
+        beat()
     return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
             "seconds": time.perf_counter() - started}
 
@@ -140,8 +142,9 @@ def read_marker(uri: str, endpoint_url: str = "") -> dict[str, Any]:
 
 
 def download_share(uri: str, marker: dict[str, Any], target: Path, rank: int, world_size: int,
-                   endpoint_url: str = "") -> int:
-    """This rank's share of an export's files into target (a folder every rank sees); bytes downloaded."""
+                   endpoint_url: str = "", beat: Callable[[], None] = lambda: None) -> int:
+    """This rank's share of an export's files into target (a folder every rank sees); bytes downloaded; beat()
+    after each file."""
     bucket, prefix = _split(uri)
     client, config = _client(endpoint_url), _transfer_config()
     target.mkdir(parents=True, exist_ok=True)
@@ -156,6 +159,7 @@ def download_share(uri: str, marker: dict[str, Any], target: Path, rank: int, wo
             raise ExportIncomplete(f"downloading {uri}/{name} failed: {err}") from err
         Path(str(path) + ".part").rename(path)
         done += marker["files"][name]
+        beat()
     return done
 
 

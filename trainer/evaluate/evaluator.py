@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +46,32 @@ from trainer.observe.memory import peak_rss, reset_peak, return_freed_memory
 from trainer.run.run_dir import RunDir, read_json, write_json
 
 log = logging.getLogger(__name__)
+
+# NVRx's send_heartbeat is an IPC round trip to the node's rank monitor: once a second is nothing beside a forward
+# of the sharded model, and far inside any heartbeat timeout.
+BEAT_EVERY_SECONDS = 1.0
+
+
+@contextmanager
+def beating(model: torch.nn.Module, beat: Callable[[], None], every_seconds: float):
+    """A heartbeat from the model's forwards (at most one per every_seconds) while the block runs. An evaluation is
+    a long series of forwards (every generated token is one; lm-eval's tasks are thousands) with no training step
+    between them to beat: without these, ft_launcher takes a final evaluation longer than its heartbeat timeout for
+    a hang and restarts the workers at the end of the run."""
+    last = -float("inf")
+
+    def before_forward(module, args):
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= every_seconds:
+            last = now
+            beat()
+
+    handle = model.register_forward_pre_hook(before_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class Evaluator:
@@ -94,7 +121,8 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            loss = heldout_loss(self.model, self._val_windows, self.ranks)["heldout_loss"]
+            with beating(self.model, self.beat, BEAT_EVERY_SECONDS):
+                loss = heldout_loss(self.model, self._val_windows, self.ranks)["heldout_loss"]
         finally:
             self.model.train(was_training)
         return {"val_loss": loss, "val_seconds": time.perf_counter() - started}
@@ -103,6 +131,10 @@ class Evaluator:
         """Collective over the evaluating ranks; the record (None on a group that does not write the run's files)."""
         if not self.writes():
             return None  # another replica group evaluates: its ranks hold the same model
+        with beating(self.model, self.beat, BEAT_EVERY_SECONDS):
+            return self._final(step, checkpoint)
+
+    def _final(self, step: int, checkpoint: str | None) -> dict[str, Any]:
         started = time.perf_counter()
         champion = read_json(self.run_dir.champion) if self.ranks.rank == 0 else None
         previous = read_json(self.run_dir.evaluation(step)) if self.ranks.rank == 0 else None
@@ -186,7 +218,7 @@ class Evaluator:
                                       max_file_bytes=int(eval_cfg.export_max_file_gb * 1e9))
             if to_s3:
                 figures["upload"] = upload_share(folder, uri, self.ranks.rank, self.ranks.world_size,
-                                                 self.cfg.data.s3_endpoint_url)
+                                                 self.cfg.data.s3_endpoint_url, beat=self.beat)
         except (ExportStoreError, OSError) as err:
             error, figures = str(err), {}
         error = self._first_error(error)
@@ -226,7 +258,7 @@ class Evaluator:
             error = None
             try:
                 download_share(source, answer["marker"], folder, self.ranks.rank, self.ranks.world_size,
-                               self.cfg.data.s3_endpoint_url)
+                               self.cfg.data.s3_endpoint_url, beat=self.beat)
             except ExportIncomplete as err:
                 error = str(err)
             error = self._first_error(error)  # also: every rank's share is there before rank 0 reads the headers

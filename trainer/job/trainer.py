@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpoint import reads as checkpoint_reads
+from trainer.checkpoint.backends import BACKGROUND_WRITE_TIMEOUT
 from trainer.checkpoint.format import step_dir_name
 from trainer.data.batches import skipped_ranges
 from trainer.data.phases import ORDERS
@@ -331,7 +332,8 @@ class Trainer:
                 self.resilience.after_step(self.step)
                 self.progress.observe(self.step, metrics, straggler=self.resilience.stragglers.current)
         tail_started = time.perf_counter()
-        self.checkpointer.save_final(self.step, self.state_dict)
+        with self.resilience.heartbeat.while_waiting("the final checkpoint's write", self._final_write_limit()):
+            self.checkpointer.save_final(self.step, self.state_dict)
         final_checkpoint_wait, evaluation_started = time.perf_counter() - tail_started, time.perf_counter()
         checkpoint = str(self.cfg.checkpoint_dir / step_dir_name(self.step)) if self.checkpointer.enabled else None
         evaluation = self.evaluator.final(self.step, checkpoint)  # the model's weights are the champion's after it
@@ -350,6 +352,14 @@ class Trainer:
             check_fence_of_this_process(self.run_dir.path)
             write_json(self.run_dir.result, result)
         return result
+
+    def _final_write_limit(self) -> float:
+        """How long the final save may be waited for before it counts as hung: three times this launch's longest
+        save (write and commit), at least the heartbeat timeout; with none measured, the write's own timeout."""
+        longest = self.checkpointer.costs.longest_write_seconds()
+        if longest is None:
+            return BACKGROUND_WRITE_TIMEOUT.total_seconds()
+        return max(3 * longest, self.cfg.resilience.heartbeat_timeout)
 
     def close(self, wait_for_checkpoint: bool = True, peers_alive: bool = True) -> None:
         """wait_for_checkpoint=False after a fault: the peers may be gone, so the save in flight is dropped.

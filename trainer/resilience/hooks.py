@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from trainer.config import Config
 from trainer.config.drills import parse_schedule, random_schedule
@@ -40,6 +42,7 @@ from trainer.run.tail import read_last_record, read_last_records
 
 log = logging.getLogger(__name__)
 
+WAITING_BEAT_SECONDS = 1.0  # an IPC round trip to the node's rank monitor: nothing, once a second
 
 
 class Heartbeat:
@@ -48,14 +51,26 @@ class Heartbeat:
     It connects at the first beat, not before: NVRx 0.4.1's rank monitor aborts for good (and refuses every
     later heartbeat of the node's workers) when a restarted worker connects and dies before its first
     heartbeat (rank_monitor_state_machine: connection lost in HANDLING_START -> ABORTED). Start-up before the
-    first step is watched by the phase watchdog (trainer.resilience.phases) instead."""
+    first step is watched by the phase watchdog (trainer.resilience.phases) instead.
+
+    while_waiting(what, limit) beats from a thread while the loop waits on work done elsewhere (a checkpoint's
+    background write): the loop is not hung, and at 8B a write outlasts the heartbeat timeout (96 GB at ~600 MB/s:
+    160 s). Past the limit the beats stop, and ft_launcher takes the wait for the hang it then is."""
 
     def __init__(self, stall_dump: StallDump | None = None) -> None:
         self.client = nvrx_compat.rank_monitor_client() if nvrx_compat.under_ft_launcher() else None
         self._connected = False
         self.stall_dump = stall_dump  # the flight recorder's dump when the beats stop (a hang)
+        self._lock = threading.Lock()  # the monitor client's socket: one sender at a time
+        self._waiting: tuple[str, float, float] | None = None  # (what, started, until): monotonic seconds
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def beat(self) -> None:
+        with self._lock:
+            self._send()
+
+    def _send(self) -> None:
         if self.stall_dump is not None:
             self.stall_dump.beat()
         if self.client is not None:
@@ -64,12 +79,46 @@ class Heartbeat:
                 self._connected = True
             self.client.send_heartbeat()
 
+    @contextmanager
+    def while_waiting(self, what: str, limit_seconds: float) -> Iterator[None]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._beat_while_waiting, name="heartbeat-while-waiting",
+                                            daemon=True)
+            self._thread.start()
+        started = time.monotonic()
+        self._waiting = (what, started, started + limit_seconds)
+        try:
+            yield
+        finally:
+            self._waiting = None
+
+    def _beat_while_waiting(self) -> None:
+        warned = None
+        while not self._closed.wait(WAITING_BEAT_SECONDS):
+            waiting = self._waiting
+            if waiting is None:
+                continue
+            what, started, until = waiting
+            if self.client is not None and not self._connected:
+                continue  # before the loop's first beat: start-up's watchdog watches (see above)
+            if time.monotonic() > until:
+                if warned is not waiting:
+                    warned = waiting
+                    log.error("%s has been waited for %.0f s, longer than it can take: the heartbeats stop, so "
+                              "ft_launcher restarts the workers as hung", what, time.monotonic() - started)
+                continue
+            with self._lock:
+                if self._waiting is waiting and not self._closed.is_set():
+                    self._send()
+
     def close(self) -> None:
-        if self.stall_dump is not None:
-            self.stall_dump.close()
-        if self.client is not None and self._connected:
-            self.client.shutdown_workload_monitoring()
-        self.client = None
+        self._closed.set()
+        with self._lock:
+            if self.stall_dump is not None:
+                self.stall_dump.close()
+            if self.client is not None and self._connected:
+                self.client.shutdown_workload_monitoring()
+            self.client = None
 
 
 class ResilienceHooks:
