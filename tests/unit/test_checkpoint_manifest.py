@@ -243,7 +243,7 @@ def test_a_file_changed_after_its_writer_hashed_it_is_not_committed(tmp_path):
 
 
 def test_files_no_writer_hashed_are_hashed_at_the_commit(tmp_path):
-    """NVRx's writer (and a folder written by plain DCP) leaves no digests: the commit reads those files."""
+    """A folder written by plain DCP (or by hand) leaves no digests: the commit reads those files."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     from trainer.checkpoint import reads
@@ -254,3 +254,47 @@ def test_files_no_writer_hashed_are_hashed_at_the_commit(tmp_path):
     manifest = write_manifest(folder, 7, {"world_size": 1})
     assert reads.bytes_read() - before == sum(f["bytes"] for f in manifest["files"].values())
     assert verify_checkpoint(folder).ok
+
+
+def test_nvrx_async_writer_hashes_its_shards_in_its_worker_and_the_commit_reads_none(tmp_path):
+    """The GPU default (NVRx's FileSystemWriterAsync, through the backend's own calls): its forked writer processes
+    hash each shard as they write it, and the commit takes those digests. Run on CPU tensors here, the save
+    function called as NVRx's checkpoint worker calls it (its preload step is CUDA's device-to-host copy)."""
+    pytest.importorskip("nvidia_resiliency_ext")
+    import torch.distributed.checkpoint as dcp
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_finalize
+
+    from trainer.checkpoint import reads
+    from trainer.checkpoint.format import hash_file
+    from trainer.checkpoint.hashing_writer import WRITTEN_DIGESTS, hashing_async_writer
+    from trainer.resilience import nvrx_compat
+
+    import pickle  # NVRx's worker queue pickles the save function
+
+    import torch.distributed as dist
+
+    folder = tmp_path / "step-000007.tmp"
+    state = {"model": {f"w{i}": torch.randn(64, 32) for i in range(6)}, "step": 7, "note": "bytes item"}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        writer = hashing_async_writer(nvrx_compat.filesystem_writer_async_class())(str(folder), thread_count=2)
+        plan = nvrx_compat.plan_async_save(state, writer)
+        save_fn, _preload, args = writer.get_save_function_and_args()
+        assert pickle.dumps(save_fn)  # NVRx's persistent worker receives it through a queue
+        save_fn(*args)  # forks a writer process per bucket
+        save_state_dict_async_finalize(*plan)
+    finally:
+        dist.destroy_process_group()
+    written = json.loads((folder / WRITTEN_DIGESTS).read_text())["files"]
+    shards = sorted(p.name for p in folder.glob("*.distcp"))
+    assert sorted(written) == shards and len(shards) == 2 and not list(folder.glob("*.json"))[1:], written
+
+    before = reads.bytes_read()
+    manifest = write_manifest(folder, 7, {"world_size": 1})
+    assert reads.bytes_read() - before == (folder / ".metadata").stat().st_size  # only .metadata: no shard read
+    for name, entry in manifest["files"].items():  # the digests are the files' own
+        assert entry == {"bytes": (folder / name).stat().st_size, "hash": hash_file(folder / name)}, name
+    assert sorted(manifest["files"]) == sorted([".metadata", *shards])
+    loaded = {"model": {f"w{i}": torch.zeros(64, 32) for i in range(6)}, "step": 0, "note": ""}
+    dcp.load(loaded, checkpoint_id=str(folder), no_dist=True)
+    assert torch.equal(loaded["model"]["w3"], state["model"]["w3"]) and loaded["note"] == "bytes item"

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from trainer.checkpoint.hashing_writer import HashingFileSystemWriter, data_results
+from trainer.checkpoint.hashing_writer import HashingFileSystemWriter, data_results, hashing_async_writer
 from trainer.config import CheckpointConfig
 from trainer.resilience import nvrx_compat
 
@@ -178,7 +178,7 @@ class NvrxAsyncBackend:
     def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
         if fail_with:  # NVRx writes in its persistent worker process: the drill kills it mid-save instead
             self._kill_worker_after_schedule = fail_with
-        writer = self._compat.filesystem_writer_async(str(folder))
+        writer = hashing_async_writer(self._compat.filesystem_writer_async_class())(str(folder), thread_count=2)
         plan = self._compat.plan_async_save(state, writer)
         finished = {"done": False}
         request = self._compat.async_request(writer, plan, lambda: finished.update(done=True))

@@ -74,7 +74,7 @@ def library_versions() -> dict[str, str]:
 
 
 def read_written_digests(folder: Path) -> dict[str, dict[str, Any]]:
-    """What the writers hashed as they wrote, by file name ({} when the folder's writer did not hash: NVRx's)."""
+    """What the writers hashed as they wrote, by file name ({} when the folder's writer did not hash: plain DCP's)."""
     path = Path(folder) / WRITTEN_DIGESTS
     if not path.is_file():
         return {}
@@ -85,7 +85,7 @@ def read_written_digests(folder: Path) -> dict[str, dict[str, Any]]:
 def write_manifest(folder: Path, step: int, metadata: dict[str, Any]) -> dict[str, Any]:
     """Every file of the folder with its size and content hash. The hash is the one its writer computed while
     writing it (trainer.checkpoint.hashing_writer), so committing costs a stat per file; only a file no writer
-    hashed (NVRx's writer, a folder written by hand) is read to hash it, counted in reads."""
+    hashed (plain DCP's writer, a folder written by hand; NVRx's .metadata) is read to hash it, counted in reads."""
     written = read_written_digests(folder)
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (MANIFEST, WRITTEN_DIGESTS)):

@@ -38,10 +38,11 @@ def async_calls_queue(persistent: bool = True):
     return AsyncCallsQueue(persistent=persistent)
 
 
-def filesystem_writer_async(path: str, thread_count: int = 2):
+def filesystem_writer_async_class() -> type:
+    """NVRx's FileSystemWriterAsync: each rank's shards written by processes forked in NVRx's checkpoint worker."""
     from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync  # optional
 
-    return FileSystemWriterAsync(path, thread_count=thread_count)
+    return FileSystemWriterAsync
 
 
 def plan_async_save(state_dict: dict[str, Any], writer, process_group=None) -> tuple:
