@@ -247,3 +247,42 @@ def test_fine_tuning_in_two_replica_groups_rolls_back_a_nan_alike_and_heals_a_ki
     assert sorted(h["rank"] for h in heals) == [2, 3] and {h["donor_group"] for h in heals} == {0}
     assert any(count == 1 for step, count in participants.items() if step > 14)  # group 0 alone meanwhile
     assert np.mean([r["loss"] for r in records[-3:]]) < 0.5  # the answer learnt from the assistant's turns
+
+
+def test_a_fine_tuning_run_extended_with_another_chat_corpus_goes_on_in_a_new_data_phase(
+        tmp_path, chat_tokenizer, training_config):
+    """A weekly fine-tune extended mid-way with more conversations: the same run id, more steps, a mixture that adds
+    a second chat corpus (data.on_mixture_change=new_phase; its refusal without it is format-blind and tested on
+    text: tests/integration/test_continuation.py). Steps 1-4 stay as trained, the rows after the boundary are
+    drawn 1 : 1 from the two corpora, the LR goes on from where it was, and the targets stay the assistant's."""
+    from components.stage.shards import write_mixture
+    from trainer.config import DatasetConfig
+
+    shape = ["--data.format=chat", f"--data.tokenizer={chat_tokenizer}", f"--training.seq_len={SEQ_LEN}",
+             "--checkpoint.interval_steps=2", "--faults.schedule=", "--eval.max_batches=1", "--eval.every_steps=0",
+             "--resilience.straggler_interval=0", "--training.warmup_steps=2", "--training.lr=3e-3"]
+    first = training_config(tmp_path, "sft-extend", *shape, "--training.num_steps=4")
+    fmt = conversation_format(first.data, SEQ_LEN)
+    tokens = {name: tokenize_files(_corpus(tmp_path / f"{name}-raw", 240, seed), tmp_path / name, 0.1,
+                                   chat_tokenizer, conversations=fmt)
+              for seed, name in enumerate(("support", "sales"))}
+    mixtures = {"first": {"support": 1}, "second": {"support": 1, "sales": 1}}
+    for folder, weights in mixtures.items():
+        write_mixture(tmp_path / folder, [(DatasetConfig(name=name, weight=weight), tmp_path / name, tokens[name])
+                                          for name, weight in weights.items()])
+    assert run_local_training(first, tmp_path / "first")["steps"] == 4
+    trained = {int(r["step"]): (r["loss"], r["lr"]) for r in read_jsonl(first.run_dir / "metrics.jsonl")}
+
+    phased = training_config(tmp_path, "sft-extend", *shape, "--training.num_steps=8",
+                             "--data.on_mixture_change=new_phase")
+    assert run_local_training(phased, tmp_path / "second")["steps"] == 8
+    phases = read_events(phased.run_dir, "data_phase")
+    assert [(p["phase"], p["start"], p["step"]) for p in phases] == [(0, 0, 0), (1, 32, 4)]  # 2 ranks x 4 rows
+    records = {int(r["step"]): r for r in read_jsonl(phased.run_dir / "metrics.jsonl")}
+    assert {s: (records[s]["loss"], records[s]["lr"]) for s in range(1, 5)} == trained
+    last = records[8]
+    assert (last["samples/support"], last["samples/sales"]) == (32 + 16, 16)
+    floor = first.training.lr * first.training.min_lr_ratio  # the cosine ended at the first horizon
+    assert [records[s]["lr"] for s in range(5, 9)] == [pytest.approx(floor)] * 4
+    # the new phase's rows are packed conversations whose only targets are the assistant's: the loss keeps falling
+    assert all(np.isfinite(records[s]["loss"]) for s in range(1, 9)) and records[8]["loss"] < records[1]["loss"]
