@@ -6,11 +6,14 @@ the heartbeats) against a bare FSDP2 loop on the same model, data and ranks, in 
     python bench/overhead.py                      # tiny (30 steps, 2 rounds), small (14 steps, 1 round), 2 ranks
     python bench/overhead.py --presets tiny --rounds tiny=1 --steps tiny=20
 
-Per preset and round: the bare loop, then the trainer with the node-memory copy every step (the local config's),
-every 10 steps and never. The figure is the mean wall time per step after the warm-up (a save's stall and a
-copy's wait count: they are the loop's time), so:
+Per preset and round: the bare loop, then the trainer as the local config sets it (the node-memory copy at the
+planner's interval, checkpoint.memory_interval_steps=auto, for the demo's fleet whose nodes fail every 3 minutes),
+the same for Llama 3's fleet (auto_node_mtbf_hours 6335), the copy every step, and never. The figure is the mean
+wall time per step after the warm-up (a save's stall and a copy's wait count: they are the loop's time; so do the
+launch's first 6 steps, whose copies the planner measures), so:
   throughput_over_bare     = bare step time / trainer step time (goal >= 0.97)
   node_memory_copy_share   = 1 - (step time with no copy / step time with the copy every step)
+  memory_interval_steps    = the interval each auto variant's planner chose
 Results: bench/results/overhead.json.
 """
 
@@ -29,7 +32,13 @@ from pathlib import Path
 from common import ROOT, demo_token_dir, write_results
 
 WARMUP = 5
-TRAINER_VARIANTS = {"trainer": 1, "trainer_memory_every_10": 10, "trainer_no_memory_copy": 0}
+# The trainer as the local config sets it (checkpoint.memory_interval_steps=auto, the demo's fleet: a node fails every
+# 3 minutes), the same planner for Llama 3's fleet (the config's default MTBF), the copy every step, and none.
+TRAINER_VARIANTS = {"trainer": ["--checkpoint.memory_interval_steps=auto"],
+                    "trainer_fleet_mtbf": ["--checkpoint.memory_interval_steps=auto",
+                                           "--checkpoint.auto_node_mtbf_hours=6335"],
+                    "trainer_memory_every_step": ["--checkpoint.memory_interval_steps=1"],
+                    "trainer_no_memory_copy": ["--checkpoint.memory_interval_steps=0"]}
 
 
 def bare_loop(args: argparse.Namespace) -> None:
@@ -97,20 +106,24 @@ def run_bare(preset: str, args: argparse.Namespace, tokens: Path, scratch: Path)
     return _mean_step(json.loads(out.read_text()))
 
 
-def run_trainer(preset: str, memory_every: int, args: argparse.Namespace, tokens: Path, scratch: Path) -> float:
+def run_trainer(preset: str, variant: list[str], args: argparse.Namespace, tokens: Path,
+                scratch: Path) -> tuple[float, int | None]:
+    """The trainer's mean step, and the node-memory interval its planner chose (None: not auto)."""
     from components.train.local import run_local_training
     from trainer.config import load_config
+    from trainer.run.events import read_events
     from trainer.run.run_dir import read_jsonl
 
-    run_id = f"overhead-{preset}-{memory_every}-{time.monotonic_ns() % 10**9}"
+    run_id = f"overhead-{preset}-{time.monotonic_ns() % 10**9}"
     cfg = load_config("local", [f"--run.work_dir={scratch / run_id}", f"--run.run_id={run_id}",
                                 f"--model.preset={preset}", *_shape(args), "--faults.schedule=",
                                 # the final evaluation is not timed: the least of it (its generation is minutes here)
                                 "--eval.every_steps=0", "--eval.max_batches=2", "--eval.max_new_tokens=1",
-                                f"--checkpoint.memory_interval_steps={memory_every}",
-                                f"--checkpoint.memory_dir={scratch / run_id / 'node-memory'}"])
+                                *variant, f"--checkpoint.memory_dir={scratch / run_id / 'node-memory'}"])
     run_local_training(cfg, tokens)
-    return _mean_step([r["time"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")])
+    chosen = read_events(cfg.run_dir, "memory_interval_chosen")
+    return (_mean_step([r["time"] for r in read_jsonl(cfg.run_dir / "metrics.jsonl")]),
+            chosen[0]["interval_steps"] if chosen else None)
 
 
 def main() -> int:
@@ -138,20 +151,22 @@ def main() -> int:
             rounds = []
             for round_index in range(rounds_of[preset]):
                 seconds = {"bare": run_bare(preset, args, tokens, scratch)}
-                for name, every in TRAINER_VARIANTS.items():
-                    seconds[name] = run_trainer(preset, every, args, tokens, scratch)
-                rounds.append(seconds)
+                intervals = {}
+                for name, variant in TRAINER_VARIANTS.items():
+                    seconds[name], intervals[name] = run_trainer(preset, variant, args, tokens, scratch)
+                rounds.append({**seconds, "memory_interval_steps": {k: v for k, v in intervals.items() if v}})
                 print(f"{preset} round {round_index + 1}: " + ", ".join(f"{k} {v * 1e3:.1f} ms/step"
-                                                                      for k, v in seconds.items()), flush=True)
-            ratio = [r["bare"] / r["trainer"] for r in rounds]
-            share = [1 - r["trainer_no_memory_copy"] / r["trainer"] for r in rounds]
-            share_10 = [1 - r["trainer_no_memory_copy"] / r["trainer_memory_every_10"] for r in rounds]
+                                                                      for k, v in seconds.items())
+                      + f"; intervals chosen {rounds[-1]['memory_interval_steps']}", flush=True)
+            over_bare = {name: statistics.median(r["bare"] / r[name] for r in rounds) for name in TRAINER_VARIANTS}
             figures["presets"][preset] = {
-                "rounds": rounds, "throughput_over_bare": statistics.median(ratio),
-                "throughput_over_bare_rounds": ratio, "node_memory_copy_share": statistics.median(share),
-                "node_memory_copy_share_every_10": statistics.median(share_10),
-                "trainer_no_memory_copy_over_bare": statistics.median(r["bare"] / r["trainer_no_memory_copy"]
-                                                                      for r in rounds)}
+                "rounds": rounds, "throughput_over_bare": over_bare["trainer"],
+                "throughput_over_bare_rounds": [r["bare"] / r["trainer"] for r in rounds],
+                "fleet_mtbf_over_bare": over_bare["trainer_fleet_mtbf"],
+                "memory_every_step_over_bare": over_bare["trainer_memory_every_step"],
+                "trainer_no_memory_copy_over_bare": over_bare["trainer_no_memory_copy"],
+                "node_memory_copy_share": statistics.median(
+                    1 - r["trainer_no_memory_copy"] / r["trainer_memory_every_step"] for r in rounds)}
             presets = figures["presets"]  # written after each preset: a run cut short keeps what it measured
             figures["throughput_over_bare"] = min(p["throughput_over_bare"] for p in presets.values())
             figures["node_memory_copy_share"] = max(p["node_memory_copy_share"] for p in presets.values())

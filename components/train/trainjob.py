@@ -87,7 +87,7 @@ def build_trainjob(cfg: Config, data_dir: str, attempt: int = 0, generation: int
         resources["nvidia.com/gpu"] = k.gpus_per_node
     if k.efa_per_node:
         resources["vpc.amazonaws.com/efa"] = k.efa_per_node
-    memory_tier = cfg.checkpoint.enabled and cfg.checkpoint.memory_interval_steps > 0
+    memory_tier = cfg.checkpoint.enabled and cfg.checkpoint.memory_tier
     node_memory = node_memory_gib(cfg, Path(data_dir)) if memory_tier else 0
     # Memory-backed volumes count against the pod's memory limit: it covers them and the processes.
     resources["memory"] = f"{k.process_memory_gib + int(k.shm_size.removesuffix('Gi')) + node_memory}Gi"

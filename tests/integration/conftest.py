@@ -13,9 +13,11 @@ from trainer.run.events import read_events
 # Straggler reports every 5 steps: every clean run of the suite is a check for false positives (the audit below).
 # The final evaluation's generations: 4 tokens a prompt (each token is a forward of the sharded model, a collective;
 # 48, the default, cost ~3 s per training run here; tests/integration/test_pipeline_local.py keeps 48).
+# The node-memory copy every step (not the planner's interval, checkpoint.memory_interval_steps=auto): the tests
+# of recovery know which step each fault resumes from (tests/integration/test_memory_tier.py checks auto).
 FAST_TRAINING = ["--training.batch_size=4", "--training.seq_len=32", "--training.warmup_steps=2",
                  "--training.log_every=2", "--eval.max_batches=4", "--eval.max_new_tokens=4",
-                 "--resilience.straggler_interval=5"]
+                 "--resilience.straggler_interval=5", "--checkpoint.memory_interval_steps=1"]
 
 
 @pytest.fixture(scope="session")

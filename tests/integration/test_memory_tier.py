@@ -64,3 +64,28 @@ def test_a_launch_removes_its_node_memory_when_it_ends(trained_run):
     cfg, _ = trained_run  # a clean launch that copied its state to node memory every step
     root = Path(cfg.checkpoint.memory_dir) / cfg.run.run_id
     assert root.is_dir() and list(root.iterdir()) == []
+
+
+def test_the_planner_chooses_the_copy_interval_from_what_a_copy_costs(tmp_path, token_dir, training_config,
+                                                                       clean_reference):
+    """checkpoint.memory_interval_steps=auto (the default; the suite's runs pin 1): 6 steps with a copy each, 6
+    without, then the planner's interval for the difference (the copy and what its peer replica takes from the next
+    step) and the faults it serves (two "nodes" failing every 12 minutes each: a copy of a few % of a step is then
+    worth it every few steps; with a drill scheduled every few steps, every step: tests/unit/test_planning.py)."""
+    steps = 18
+    cfg = training_config(tmp_path, "auto", *STEPS, f"--training.num_steps={steps}", "--faults.schedule=",
+                          "--checkpoint.memory_interval_steps=auto", "--checkpoint.auto_node_mtbf_hours=0.2")
+    result = run_local_training(cfg, token_dir)
+
+    assert result["steps"] == steps and _losses(cfg) == first_steps(clean_reference, steps)
+    [chosen] = read_events(cfg.run_dir, "memory_interval_chosen")
+    assert chosen["step"] == 13 and chosen["copy_seconds"] >= chosen["copy_wait_seconds"] > 0, chosen
+    assert chosen["nodes"] == 2 and chosen["step_with_copy_seconds"] > chosen["step_seconds"] > 0, chosen
+    assert chosen["reason"].startswith("a copy costs the loop") and "2 nodes x MTBF 0.2 h" in chosen["reason"]
+    interval = chosen["interval_steps"]
+    assert interval > 1, chosen  # a copy's few ms beside a fault every 6 minutes
+    copied = [step for step in range(1, steps + 1) if step <= 6 or (step >= 13 and step % interval == 0)]
+    # every FSx save records the node-memory copies made since the one before (worst rank)
+    stalls = read_events(cfg.run_dir, "checkpoint_stall")
+    assert [s["step"] for s in stalls] == list(range(3, steps + 1, 3))
+    assert sum(s["memory_copies"] for s in stalls) == len(copied), (stalls, chosen)

@@ -219,6 +219,44 @@ def test_interval_steps_auto_in_the_config():
     assert set(job_configuration(plain).routes.values()) == {("job_relaunch", "fsx_sync")}
 
 
+def test_the_node_memory_copy_is_made_as_often_as_its_cost_and_the_faults_it_serves_make_worth_it():
+    from trainer.config import ConfigError, load_config
+    from trainer.planning.auto import memory_interval
+
+    def steps(cfg, nodes, step, copy):
+        return memory_interval(cfg, nodes, step, copy)["interval_steps"]
+
+    demo = load_config("local", ["--faults.schedule="])  # two "nodes" failing every 3 minutes each
+    assert demo.checkpoint.memory_interval_steps == "auto"
+    # bench/overhead.py's tiny preset: a copy is ~9 % of a 0.26 s step; a fault every 90 s replays half an interval
+    chosen = memory_interval(demo, 2, 0.26, 0.024)
+    k = chosen["interval_steps"]
+    assert 4 <= k <= 12, chosen
+    # it is Daly's optimum: its waste (copies + replayed work) is below every step's and below twice the interval
+    waste = lambda n: 0.024 / (n * 0.26) + chosen["fault_rate_per_second"] * n * 0.26 / 2  # noqa: E731
+    assert waste(k) < waste(1) and waste(k) <= waste(2 * k) and waste(k) <= waste(max(1, k // 2))
+    assert "a fault replays" in chosen["reason"] and "2 nodes x MTBF 0.05 h" in chosen["reason"]
+
+    assert steps(demo, 2, 0.26, 0.0) == 1  # a copy too cheap to measure: every step
+    assert steps(demo, 2, 0.26, 0.1) > k  # a dearer copy, less often
+    assert steps(demo, 64, 0.26, 0.024) < k  # more nodes, more faults: more often
+    # the drills' faults count: a SIGKILL every 4 steps makes every step's copy worth it
+    assert steps(load_config("local", ["--faults.mtbf_steps=4"]), 2, 0.26, 0.024) < k
+    assert steps(load_config("local", ["--faults.schedule=sigkill@5,sigkill@9,sigkill@13",
+                                       "--training.num_steps=16"]), 2, 0.26, 0.024) == 1
+    # faults the copies never serve (torchrun relaunches the job from FSx): at most once, at the end
+    relaunch = load_config("local", ["--faults.schedule=", "--resilience.launcher=torchrun",
+                                     "--resilience.max_restarts=0"])
+    assert steps(relaunch, 2, 0.26, 0.024) == relaunch.training.num_steps
+    # the 8B job: 16 nodes of Llama 3's fleet, a 5 ms wait for the async copy of a 8.8 s step
+    eks = load_config("eks-cpt")
+    assert eks.checkpoint.memory_interval_steps == "auto"
+    assert 1 < steps(eks, 16, 8.8, 0.005) < eks.training.num_steps
+    assert steps(eks, 1024, 8.8, 0.005) < steps(eks, 16, 8.8, 0.005)
+    with pytest.raises(ConfigError, match="checkpoint.memory_interval_steps: must be >= 0 .0 turns it off. or auto"):
+        load_config("local", ["--checkpoint.memory_interval_steps=-2"])
+
+
 def test_a_write_in_flight_survives_an_exception_but_not_a_process_death():
     """trainer.job.cli closes a trainer that raised with its save waited for (the process is alive); a killed
     process, or an in-process restart (peers may be gone), drops it. Found by the goodput bench's calibration:

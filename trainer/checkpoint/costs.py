@@ -18,8 +18,11 @@ class SaveCosts:
         self._loop_wait_since_save = 0.0
         self._memory_seconds_since_save = 0.0
         self._memory_copies_since_save = 0
+        self.memory_copy_seconds: list[float] = []  # the loop's wait for each node-memory copy of this launch
 
     def memory_copy(self, seconds: float) -> None:
+        if len(self.memory_copy_seconds) < 64:  # the planner's probe reads the first few
+            self.memory_copy_seconds.append(seconds)
         self._memory_seconds_since_save += seconds
         self._memory_copies_since_save += 1
 

@@ -142,6 +142,16 @@ class CheckpointManager:
         assert steps >= 1, steps
         self._interval_steps = steps
 
+    @property
+    def memory_interval_steps(self) -> int | None:
+        """The node-memory copy's cadence in steps (None: no node-memory tier)."""
+        return self._memory.interval_steps if self._memory is not None else None
+
+    @memory_interval_steps.setter
+    def memory_interval_steps(self, steps: int) -> None:
+        assert steps >= 1 and self._memory is not None, steps
+        self._memory.interval_steps = steps
+
     def save_final(self, step: int, state_fn: Callable[[], dict[str, Any]]) -> None:
         """The end of training: step saved and committed — saved now unless a save of it is in flight or done,
         and saved again if that save failed. Collective: the last save's costs are recorded too."""

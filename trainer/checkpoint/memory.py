@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 class MemoryTier:
     def __init__(self, cfg: CheckpointConfig, run_id: str, rank: int, world_size: int, local_world_size: int,
                  device: torch.device = torch.device("cpu")):
-        self.interval_steps = cfg.memory_interval_steps
+        # auto: every step until the planner chooses (trainer.planning.auto)
+        self.interval_steps = 1 if cfg.memory_interval_steps == "auto" else cfg.memory_interval_steps
         self.rank, self.world_size = rank, world_size
         self.folder = node_store_folder(cfg.memory_dir, run_id)
         # memory_node_per_rank stands in for nodes when one launcher runs every rank; with a launcher per node the

@@ -101,7 +101,7 @@ def started_from_environment(checkpoint_dir: Path, ckpt) -> RestorePrefetch | No
         return None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     several_nodes = int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world or (ckpt.memory_node_per_rank and world > 1)
-    if ckpt.memory_interval_steps and (holds_a_copy(os.environ.get(NODE_STORE_ENV)) or
+    if ckpt.memory_tier and (holds_a_copy(os.environ.get(NODE_STORE_ENV)) or
                                        (ckpt.peer_replica and several_nodes)):
         return None
     return RestorePrefetch.start(checkpoint_dir, int(os.environ["RANK"]), world, node_memory_holds_a_copy=False)

@@ -264,10 +264,14 @@ class CheckpointConfig:
     resume: bool = True
     """Resume from the newest valid copy of the state when one exists (memory, peer, FSx, S3)."""
 
-    memory_interval_steps: int = 1
+    memory_interval_steps: int | Literal["auto"] = "auto"
     """Node-memory tier: every this many steps each rank copies its state into node-local shared memory that
     outlives the worker process (double buffered, checksummed), so a restarted worker resumes from it without
-    reading the file system. 0 = off."""
+    reading the file system. 0 = off. auto: each launch's first 12 steps measure what a copy costs the loop (6 steps
+    with a copy, 6 without: the copy and what its background work takes from the next step), then the planner's
+    interval for that cost and the faults the copies serve (the nodes x auto_node_mtbf_hours, and the faults drills
+    schedule): every step where a copy is cheap beside the steps a fault would replay, less often where it is not
+    (trainer.planning.auto). 1 keeps every step's state whatever it costs."""
 
     memory_copy: Literal["auto", "async", "sync"] = "auto"
     """How the node-memory copy runs (trainer.checkpoint.node_copy). async: off the step's critical path (on CUDA a
@@ -300,13 +304,19 @@ class CheckpointConfig:
     s3_every: int = 1
     """Upload every this many committed checkpoints to s3_uri."""
 
+    @property
+    def memory_tier(self) -> bool:
+        """Whether the node-memory tier is on (every N steps, or at the planner's interval)."""
+        return self.memory_interval_steps == "auto" or self.memory_interval_steps > 0
+
     def __post_init__(self) -> None:
         require(self.interval_steps == "auto" or self.interval_steps >= 1, "checkpoint.interval_steps",
                 "must be >= 1 or auto")
         require(self.auto_probe_steps >= 1, "checkpoint.auto_probe_steps", "must be >= 1")
         require(self.auto_node_mtbf_hours > 0, "checkpoint.auto_node_mtbf_hours", "must be > 0")
         require(self.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-        require(self.memory_interval_steps >= 0, "checkpoint.memory_interval_steps", "must be >= 0 (0 turns it off)")
+        require(self.memory_interval_steps == "auto" or self.memory_interval_steps >= 0,
+                "checkpoint.memory_interval_steps", "must be >= 0 (0 turns it off) or auto")
         require(self.s3_every >= 1, "checkpoint.s3_every", "must be >= 1")
         if self.s3_uri:
             check_s3_uri(self.s3_uri, "checkpoint.s3_uri")

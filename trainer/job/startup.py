@@ -158,7 +158,7 @@ def start_process(cfg: Config, data_dir: Path, in_process: InProcessAttempt | No
     ckpt = cfg.checkpoint
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     memory = (MemoryTier(ckpt, cfg.run.run_id, rank, world_size, ranks_per_node, device)
-              if ckpt.enabled and ckpt.memory_interval_steps else None)
+              if ckpt.enabled and ckpt.memory_tier else None)
     # This launch's start (the train step's); started by hand: the run's first process, else this one.
     launched_at = launched_at_from_environment() or history.first_process_started_at or worker_started_at()
     replica_groups = (MeshReplicas(rank, world_size, mesh, cfg.resilience.replica_check_interval, events, device)

@@ -115,7 +115,7 @@ def trainer_command(cfg: Config, config_path: Path | str, data_dir: Path | str, 
         rendezvous = ["--standalone"]
     ckpt = cfg.checkpoint
     options = ([f"--node-store={Path(ckpt.memory_dir) / cfg.run.run_id}"]
-               if ckpt.enabled and ckpt.memory_interval_steps else [])
+               if ckpt.enabled and ckpt.memory_tier else [])
     options += ["--fork-server"] if r.warm_start else []
     options.append(f"--run-dir={cfg.run_dir}")  # system metrics, and a stop when the restart budget gives up
     if cfg.training.replica_groups > 1:  # each node joins its group's world (trainer.launch.groups)
