@@ -3,14 +3,14 @@ async checkpoints, the node-memory copy every step and its peer replica, straggl
 the heartbeats) against a bare FSDP2 loop on the same model, data and ranks, in alternating rounds in one run
 (this machine is shared and noisy: only ratios measured side by side are reported).
 
-    python bench/overhead.py                      # tiny (30 steps, 2 rounds), small (14 steps, 1 round), 2 ranks
-    python bench/overhead.py --presets tiny --rounds tiny=1 --steps tiny=20
+    python bench/overhead.py                      # tiny (40 steps, 3 rounds), small (20 steps, 1 round), 2 ranks
+    python bench/overhead.py --presets tiny --rounds tiny=1 --steps tiny=25
 
 Per preset and round: the bare loop, then the trainer as the local config sets it (the node-memory copy at the
 planner's interval, checkpoint.memory_interval_steps=auto, for the demo's fleet whose nodes fail every 3 minutes),
 the same for Llama 3's fleet (auto_node_mtbf_hours 6335), the copy every step, and never. The figure is the mean
-wall time per step after the warm-up (a save's stall and a copy's wait count: they are the loop's time; so do the
-launch's first 6 steps, whose copies the planner measures), so:
+wall time per step after the first 13 steps (the warm-up and the planner's probe of the copy's cost: each variant
+in its steady state; a save's stall and a copy's wait count: they are the loop's time), so:
   throughput_over_bare     = bare step time / trainer step time (goal >= 0.97)
   node_memory_copy_share   = 1 - (step time with no copy / step time with the copy every step)
   memory_interval_steps    = the interval each auto variant's planner chose
@@ -31,7 +31,9 @@ from pathlib import Path
 
 from common import ROOT, demo_token_dir, write_results
 
-WARMUP = 5
+# Steps not timed: the first compile-free steps' warm-up, and the launch's node-memory probe (6 steps with a copy,
+# 6 without, trainer.planning.auto), so every variant is timed in its steady state.
+WARMUP = 13
 # The trainer as the local config sets it (checkpoint.memory_interval_steps=auto, the demo's fleet: a node fails every
 # 3 minutes), the same planner for Llama 3's fleet (the config's default MTBF), the copy every step, and none.
 TRAINER_VARIANTS = {"trainer": ["--checkpoint.memory_interval_steps=auto"],
@@ -129,8 +131,8 @@ def run_trainer(preset: str, variant: list[str], args: argparse.Namespace, token
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="tiny,small")
-    parser.add_argument("--rounds", default="tiny=2,small=1", help="alternating rounds per preset")
-    parser.add_argument("--steps", default="tiny=30,small=14", help="steps per preset (small: ~6 s a step here)")
+    parser.add_argument("--rounds", default="tiny=3,small=1", help="alternating rounds per preset")
+    parser.add_argument("--steps", default="tiny=40,small=20", help="steps per preset (small: ~6-15 s a step here)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # a rank of the bare loop
     parser.add_argument("--preset", help=argparse.SUPPRESS)
