@@ -22,10 +22,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from trainer.checkpoint.hashing_writer import HashingFileSystemWriter, data_results, hashing_async_writer
+from trainer.checkpoint.stager import ReusingStager
 from trainer.config import CheckpointConfig
 from trainer.resilience import nvrx_compat
 
@@ -130,17 +131,20 @@ class TorchAsyncBackend:
         self.nice = nice
         self.executor = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
         self._reniced: set[int] = set()
+        self._last_write: Future | None = None
         # Its own group with a long timeout: background writes may take minutes, and the main group's
         # timeout can be short (in-process restart on gloo).
         self.group = dist.new_group(backend="gloo", timeout=BACKGROUND_WRITE_TIMEOUT)
         on_cuda = device.type == "cuda"
         # Shared memory: the background process reads the staged tensors in place instead of receiving
-        # pickled copies. The stager caches these buffers, so later saves copy into warm memory.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=executor == "process",
+        # pickled copies. The stager keeps the staged state, so later saves only copy data into warm memory.
+        self.stager = ReusingStager(StagingOptions(use_pinned_memory=on_cuda, use_shared_memory=executor == "process",
                                                    use_async_staging=False, use_non_blocking_copy=False))
         forget_cached_save_plans()  # a new Trainer in this process (an in-process restart): a new cache
 
     def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
+        # The stager overwrites the buffers the last write read from: that write must be over.
+        assert self._last_write is None or self._last_write.done(), "a save started while the last one writes"
         # Plan caching: the state's layout is the same every save, so the persistent background process
         # skips re-planning (a round of collectives) after the first save.
         response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
@@ -148,7 +152,8 @@ class TorchAsyncBackend:
                                   planner=DefaultSavePlanner(enable_plan_caching=True),
                                   async_checkpointer_type=self.executor, async_stager=self.stager)
         # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
-        return _FutureWrite(getattr(response, "upload_completion", response), on_poll=self._renice_writer)
+        self._last_write = getattr(response, "upload_completion", response)
+        return _FutureWrite(self._last_write, on_poll=self._renice_writer)
 
     def _renice_writer(self) -> None:
         """Lower the priority of DCP's writer process (our child, started lazily on the first save)."""
