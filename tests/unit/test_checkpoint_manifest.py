@@ -182,6 +182,26 @@ def test_a_state_holding_a_nan_is_never_committed_and_a_finite_one_records_the_c
         dist.destroy_process_group()
 
 
+def test_the_finite_check_flags_every_nan_and_infinity_and_no_large_finite_value():
+    """min and max instead of an elementwise mask: NaN anywhere, +inf or -inf anywhere, in every float dtype,
+    is flagged; values near the dtype's limit (whose sum would overflow) are not; integers are not checked."""
+    from trainer.checkpoint.commit import nonfinite_flags
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        big = torch.finfo(dtype).max
+        state = {"finite": torch.full((1000,), big, dtype=dtype), "low": torch.full((5,), -big, dtype=dtype)}
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for where in (0, 499, 999):
+                value = torch.randn(1000).to(dtype)
+                value[where] = bad
+                state[f"{bad}@{where}"] = value
+        state["nan_and_inf"] = torch.tensor([float("inf"), 1.0, float("nan")], dtype=dtype)
+        state["ints"] = torch.arange(4)
+        paths, flags = nonfinite_flags(state, torch.device("cpu"))
+        assert dict(zip(paths, flags.tolist())) == {path: path not in ("finite", "low") for path in paths}, dtype
+        assert "ints" not in paths and len(paths) == 12
+
+
 def test_the_finite_check_stacks_flags_of_tensors_on_different_devices():
     """On a GPU the state mixes devices: the shards on the GPU, AdamW's step counts and the last loss on the host
     (the first H200 run failed its first save on it). The meta device stands in for the GPU here."""
