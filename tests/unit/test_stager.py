@@ -11,8 +11,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
 from trainer.checkpoint.backends import TorchAsyncBackend
-from trainer.checkpoint import stager as stager_module
-from trainer.checkpoint.commit import nonfinite_flags
 from trainer.checkpoint.stager import ReusingStager
 
 
@@ -64,8 +62,7 @@ def _assert_same_values(staged, source):
             assert type(staged_leaves[path]) is type(value), path
             local = value.to_local() if isinstance(value, DTensor) else value
             mine = staged_leaves[path].to_local() if isinstance(value, DTensor) else staged_leaves[path]
-            assert mine.device.type == "cpu", path
-            torch.testing.assert_close(mine, local, rtol=0, atol=0, equal_nan=True, msg=path)
+            assert mine.device.type == "cpu" and torch.equal(mine, local), path
             assert mine.data_ptr() != local.data_ptr(), f"{path} was not copied: the write would see later steps"
         else:
             assert staged_leaves[path] == value, path
@@ -116,28 +113,3 @@ def test_the_async_backend_writes_each_save_with_its_own_values(one_rank, tmp_pa
         assert int(state["trainer"]["step"]) == step and state["trainer"]["note"] == f"s{step}"
         for key, value in weights.items():
             assert torch.equal(state["model"][key].to_local(), value), (step, key)
-
-
-def test_the_staging_copy_finds_what_the_finite_check_finds(one_rank, monkeypatch):
-    """stage_checked's flags, from the copy chunk by chunk, against the check that reads the state itself:
-    a NaN or an infinity in the first or the last chunk of a DTensor's shard or of a plain tensor."""
-    monkeypatch.setattr(stager_module, "CHECK_CHUNK_ELEMENTS", 16)  # the tiny model's shards span chunks
-    model, optimizer, train_step = _trained(one_rank)
-    stager = ReusingStager(StagingOptions(False, False, False, False))
-    for round_, bad in enumerate((None, float("nan"), float("inf"), -float("inf"))):
-        source = _state(model, optimizer, round_)
-        source["extra"] = torch.randn(100)
-        weight = source["model"]["0.weight"].to_local().view(-1)
-        if bad is not None:
-            source["extra"][-1 if round_ % 2 else 0] = bad
-            source["optim"]["state"]["1.weight"]["exp_avg"].to_local().view(-1)[-1] = bad
-            weight[7 if round_ % 2 else -1] = bad
-        staged = stager.stage_checked(source)
-        _assert_same_values(staged.tree, source)
-        paths, expected = nonfinite_flags(source, torch.device("cpu"))
-        assert staged.paths == paths and staged.nonfinite.tolist() == expected.tolist(), round_
-        flagged = {path for path, flag in zip(paths, expected.tolist()) if flag}
-        assert flagged == (set() if bad is None else {"extra", "optim.state.1.weight.exp_avg", "model.0.weight"})
-        assert "trainer.step" not in paths and "trainer.note" not in paths
-    assert stager.full_stagings == 1
-    stager.close()

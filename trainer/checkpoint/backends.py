@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.staging import AsyncStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from trainer.checkpoint.hashing_writer import HashingFileSystemWriter, data_results, hashing_async_writer
-from trainer.checkpoint.stager import ReusingStager, StagedState
+from trainer.checkpoint.stager import ReusingStager
 from trainer.config import CheckpointConfig
 from trainer.resilience import nvrx_compat
 
@@ -113,35 +113,12 @@ def forget_cached_save_plans() -> None:
 class SyncBackend:
     name = "sync"
 
-    def stage(self, state: dict[str, Any]) -> StagedState | None:
-        """What start will write, copied now, with its finite check; None: start reads the state itself."""
-        return None
-
-    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None,
-              staged: StagedState | None = None) -> PendingWrite:
+    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
         dcp.save(state, checkpoint_id=str(folder), storage_writer=writer_for(folder, fail_with))
         return PendingWrite()
 
     def close(self) -> None:
         return None
-
-
-class _AlreadyStaged(AsyncStager):
-    """dcp.async_save's stager for a state TorchAsyncBackend.stage has staged: handed on as it is."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
-_ALREADY_STAGED = _AlreadyStaged()
 
 
 class TorchAsyncBackend:
@@ -165,22 +142,15 @@ class TorchAsyncBackend:
                                                    use_async_staging=False, use_non_blocking_copy=False))
         forget_cached_save_plans()  # a new Trainer in this process (an in-process restart): a new cache
 
-    def stage(self, state: dict[str, Any]) -> StagedState:
-        """The state copied into the staging buffers and its finite check, in one pass (trainer.checkpoint.stager).
-        The stager overwrites the buffers the last write read from: that write must be over."""
-        assert self._last_write is None or self._last_write.done(), "a save staged while the last one writes"
-        return self.stager.stage_checked(state)
-
-    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None,
-              staged: StagedState | None = None) -> PendingWrite:
-        if staged is None:
-            staged = self.stage(state)
+    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
+        # The stager overwrites the buffers the last write read from: that write must be over.
+        assert self._last_write is None or self._last_write.done(), "a save started while the last one writes"
         # Plan caching: the state's layout is the same every save, so the persistent background process
         # skips re-planning (a round of collectives) after the first save.
-        response = dcp.async_save(staged.tree, checkpoint_id=str(folder), process_group=self.group,
+        response = dcp.async_save(state, checkpoint_id=str(folder), process_group=self.group,
                                   storage_writer=writer_for(folder, fail_with),
                                   planner=DefaultSavePlanner(enable_plan_caching=True),
-                                  async_checkpointer_type=self.executor, async_stager=_ALREADY_STAGED)
+                                  async_checkpointer_type=self.executor, async_stager=self.stager)
         # Newer torch returns AsyncSaveResponse when staging is itself asynchronous; ours is synchronous.
         self._last_write = getattr(response, "upload_completion", response)
         return _FutureWrite(self._last_write, on_poll=self._renice_writer)
@@ -210,11 +180,7 @@ class NvrxAsyncBackend:
         self._compat = nvrx_compat
         self.queue = nvrx_compat.async_calls_queue(persistent=True)
 
-    def stage(self, state: dict[str, Any]) -> StagedState | None:
-        return None  # NVRx copies to the host in its own plan (preload); the check reads the GPU's memory
-
-    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None,
-              staged: StagedState | None = None) -> PendingWrite:
+    def start(self, state: dict[str, Any], folder: Path, fail_with: str | None = None) -> PendingWrite:
         if fail_with:  # NVRx writes in its persistent worker process: the drill kills it mid-save instead
             self._kill_worker_after_schedule = fail_with
         writer = hashing_async_writer(self._compat.filesystem_writer_async_class())(str(folder), thread_count=2)
