@@ -3,6 +3,9 @@
 Builds the same Trainer as the benchmark runs (so the state is the real sharded model + AdamW state),
 takes one step so the optimizer state exists, then measures on every rank:
 - a warm memcpy of this rank's whole state into preallocated buffers (the floor for a blocking stall);
+- staging the state for an async save (a later save's, warm): DCP's ``DefaultStager``, which deep-copies every
+  DTensor wrapper each save, against the trainer's ``ReusingStager`` (trainer/checkpoint/stager.py), alternating;
+  and what the loop does before a save's hand-off: the finite check (a read of the state) then the staging copy;
 - a raw sequential read of this rank's shard file of the same checkpoint;
 - loads of the checkpoint into that state: DCP's own reader (``dcp.load``), the project's (``load_checkpoint``:
   FastReader, verifying each file as it reads) and the project's without verification;
@@ -23,20 +26,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from trainer.checkpoint.commit import nonfinite_flags
 from trainer.checkpoint.load import load_checkpoint
+from trainer.checkpoint.stager import ReusingStager
 from trainer.config import load_config
 from trainer.job.trainer import Trainer
 
 
-def _local_tensors(state) -> list[torch.Tensor]:
+def _leaves(state) -> list[torch.Tensor]:
     out = []
     if isinstance(state, dict):
         for value in state.values():
-            out.extend(_local_tensors(value))
+            out.extend(_leaves(value))
     elif isinstance(state, torch.Tensor):
-        out.append(state.to_local() if hasattr(state, "to_local") else state)
+        out.append(state)
     return out
+
+
+def _local_tensors(state) -> list[torch.Tensor]:
+    return [t.to_local() if hasattr(t, "to_local") else t for t in _leaves(state)]
 
 
 def _read_file(path: Path, chunk: int = 16 << 20) -> int:
@@ -78,6 +88,28 @@ def _timed(run, cold: bool, folder: Path) -> float:
     return seconds
 
 
+def _staging_seconds(state, rounds: int = 5) -> dict[str, float]:
+    """Median seconds to stage `state` for a later async save, each stager warm (its first staging, which
+    allocates the buffers, not counted); the stagers alternate so the host's noise hits both."""
+    options = StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                             use_non_blocking_copy=False)  # the trainer's thread executor on CPU (backends.py)
+    reusing = ReusingStager(options)
+    stagers = {"default": DefaultStager(options), "reusing": reusing}
+    runs = {"default": stagers["default"].stage, "reusing": reusing.stage,
+            "check_then_reusing": lambda s: (nonfinite_flags(s, torch.device("cpu")), reusing.stage(s))}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for stager in stagers.values():
+        stager.stage(state)
+    for _ in range(rounds):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run(state)
+            seconds[name].append(time.perf_counter() - started)
+    for stager in stagers.values():
+        stager.close()
+    return {f"stage_{name}_seconds": statistics.median(runs) for name, runs in seconds.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name in ("config_path", "data_dir", "checkpoint", "out"):
@@ -108,7 +140,9 @@ def main() -> int:
              "load": lambda: load_checkpoint(state, folder),
              "load_unverified": lambda: load_checkpoint(state, folder, verify=False)}
     mine = {"rank": rank, "memcpy_seconds": memcpy_seconds, "state_bytes": state_bytes,
-            "raw_read_bytes": shard.stat().st_size}
+            "raw_read_bytes": shard.stat().st_size,
+            "dtensors": sum(1 for t in _leaves(state) if hasattr(t, "to_local")),
+            **_staging_seconds(state)}
     for cold in (False, True):
         for name, run in loads.items():
             runs = [_timed(run, cold, folder) for _ in range(3)]
